@@ -1,0 +1,95 @@
+"""Engine configuration: vLLM's engine-arg names, one frozen record that crosses processes.
+
+It travels to the engine core and workers as JSON (msgspec), never pickled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgspec
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = ""
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"  # auto | safetensors | dummy
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override
+    kv_cache_memory_bytes: int | None = None  # None: a share of free device memory, or 2 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    worker_step_timeout_s: float = 120.0
+    engine_start_timeout_s: float = 300.0
+    core_address: str | None = None  # connect to an engine core started with `tidal core`
+    trust_remote_code: bool = False
+    disable_log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        """Build from vLLM-style engine kwargs; unknown names raise a TypeError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        if model is not None:
+            kwargs["model"] = model
+        return cls(**kwargs)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "EngineConfig":
+        return msgspec.json.decode(data, type=cls)
+
+
+@dataclass(frozen=True)
+class ResolvedEngineInfo:
+    """What the core tells the front-end after start-up (its final limits)."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int

@@ -1,0 +1,162 @@
+"""Wire structs between the front-end, the engine core and the workers.
+
+All are msgspec Structs with `array_like=True, omit_defaults=True, gc=False`; new fields go
+last, with defaults, so old peers still decode new messages. numpy arrays inside them travel as
+extra zero-copy frames (see `codec`).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tidal.protocol.sampling_params import SamplingParams
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of every front-end -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
+class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+
+
+class UtilityRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    call_id: int
+    result: Any = None
+    failure: str | None = None
+
+
+class LogprobsArrays(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """Logprobs of N positions. Column 0 holds the chosen (sampled or prompt) token; columns
+    1..k the top-k in rank order. `ranks` is the rank (1-based) of the chosen token."""
+
+    token_ids: np.ndarray  # [N, k+1] int32
+    logprobs: np.ndarray  # [N, k+1] float32
+    ranks: np.ndarray  # [N] int32
+
+    @staticmethod
+    def concat(parts: list["LogprobsArrays"]) -> "LogprobsArrays":
+        if len(parts) == 1:
+            return parts[0]
+        return LogprobsArrays(
+            np.concatenate([p.token_ids for p in parts]),
+            np.concatenate([p.logprobs for p in parts]),
+            np.concatenate([p.ranks for p in parts]),
+        )
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: LogprobsArrays | None = None
+    new_prompt_logprobs: LogprobsArrays | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    events: list[tuple[int, float]] | None = None
+    error: str | None = None  # with finish_reason ERROR: what went wrong for this request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up (cumulative)
+    prefix_cache_hits: int = 0  # tokens found (cumulative)
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # cumulative prompt tokens computed
+    num_generation_tokens: int = 0  # cumulative tokens generated
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_batched_tokens: int = 0  # this step
+    num_scheduled_seqs: int = 0  # this step
+
+
+class EngineCoreOutputs(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    engine_dead: str | None = None  # set once, on the last message of a dying core
+
+
+# ---------------------------------------------------------------- core -> workers
+
+
+class NewRequestData(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """A request the runner has not seen (or sees again after preemption), in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []  # generated before a preemption; recomputed now
+
+
+class CachedRequestData(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """A running request the runner already holds: only what changed since its last step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens appended to the request since the runner last saw it
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: list[CachedRequestData] = []
+    # req_id -> tokens computed this step; a request samples iff its chunk reaches its last token
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    # Requests whose runner state must be dropped (finished, aborted or preempted) before this step.
+    finished_req_ids: list[str] = []
+
+
+class ModelRunnerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    req_ids: list[str] = []  # the scheduled requests, in the runner's batch order
+    # Per request: [] when its chunk stopped short of the prompt's end, else the one new token.
+    sampled_token_ids: list[list[int]] = []
+    logprobs: dict[str, LogprobsArrays] = {}
+    prompt_logprobs: dict[str, LogprobsArrays] = {}
+    # Wall seconds the model forward took (the engine reports its own overhead beside it).
+    forward_time_s: float = 0.0

@@ -1,0 +1,2 @@
+"""tidal: an LLM inference engine."""
+__version__ = "0.1.0"
