@@ -38,6 +38,9 @@ class EngineConfig:
     core_address: str | None = None  # connect to an engine core started with `tidal core`
     trust_remote_code: bool = False
     disable_log_stats: bool = True
+    # "torch": the real model runner; "null": a torch-free stand-in that returns one token per
+    # request at once (front-end benchmarks and process tests that must not pay for a model).
+    model_runner: str = "torch"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -52,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}.")
+        if self.model_runner not in ("torch", "null"):
+            raise ValueError(f"model_runner must be torch or null, got {self.model_runner!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
 

@@ -122,6 +122,16 @@ class EngineCoreOutputs(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 # ---------------------------------------------------------------- core -> workers
 
 
+class WorkerFrame:
+    """Frame 0 of core <-> worker-process messages (frame 1 of a worker's reply: its rank)."""
+
+    STEP = b"S"  # core -> worker: an encoded SchedulerOutput follows
+    SHUTDOWN = b"Q"  # core -> worker
+    READY = b"R"  # worker -> core: an encoded ResolvedEngineInfo follows
+    OUTPUT = b"O"  # rank 0 -> core: an encoded ModelRunnerOutput follows
+    FAILED = b"F"  # any rank -> core: utf-8 text naming the cause
+
+
 class NewRequestData(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """A request the runner has not seen (or sees again after preemption), in full."""
 
@@ -131,6 +141,7 @@ class NewRequestData(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = []  # generated before a preemption; recomputed now
+    eos_token_id: int | None = None  # the sampler forbids it (and stop ids) before min_tokens
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]

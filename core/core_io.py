@@ -1,0 +1,223 @@
+"""The engine-core process's socket side: one ROUTER socket, an IO thread and an output thread.
+
+Threads and sockets (a ZMQ socket is only ever used by one thread):
+
+    front-ends (DEALER) ──▶ ROUTER ─ IO thread: recv + typed decode ─▶ input queue ─▶ busy loop
+    front-ends (DEALER) ◀── ROUTER ◀─ IO thread ◀─ inproc PULL ◀─ output thread: encode ◀─ output queue
+
+* The IO thread owns the ROUTER (bound at the core's address) and the inproc PULL; it never
+  runs engine code, so requests are decoded while the busy loop steps.
+* The output thread owns the inproc PUSH and does the msgpack encoding off the busy loop.
+* The ROUTER is ROUTER_MANDATORY: a send to a front-end whose connection is gone fails with
+  EHOSTUNREACH, which is how the core learns that a front-end disconnected (libzmq 4.3 without
+  draft APIs has no ROUTER_NOTIFY). The busy loop then aborts that front-end's requests.
+* Garbage (too few frames, unknown request type, undecodable payload) is logged and dropped.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+from typing import Any, Sequence
+
+import msgspec
+import zmq
+
+from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
+from tidal.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    UtilityRequest,
+)
+from tidal.protocol.zmq_utils import make_socket
+
+logger = logging.getLogger(__name__)
+
+# Kinds of items the IO thread puts on the input queue (besides the three request types).
+GONE = b"gone"  # (GONE, identity, None): that front-end's connection is gone
+
+InputItem = tuple[bytes, bytes, Any]  # (kind, front-end identity, decoded payload)
+
+_STOP = b""  # a one-frame message on the inproc pipe: flush and close
+_MAX_BURST = 256  # messages handled per socket per poll round, so neither side starves
+# ZMTP heartbeats: libzmq drops a connection whose peer stopped answering pings (a vanished
+# host), which then surfaces as EHOSTUNREACH like any disconnect.
+_HEARTBEAT_IVL_MS = 2_000
+_HEARTBEAT_TIMEOUT_MS = 20_000
+
+
+class CoreIO:
+    """Binds the core's address and runs the IO and output threads.
+
+    `send(identity, outputs)` may be called from the busy loop only; decoded input arrives on
+    `input_queue`. `close()` delivers everything sent before it, then closes the sockets.
+    """
+
+    def __init__(self, address: str, input_queue: "queue.SimpleQueue[InputItem]") -> None:
+        self.address = address
+        self.input_queue = input_queue
+        self._ctx = zmq.Context()
+        try:
+            # Linger so that the last outputs (engine_dead, final tokens) reach the front-ends
+            # after close(); bounded so that a stuck peer cannot hold the core forever.
+            self._router = make_socket(self._ctx, address, zmq.ROUTER, bind=True, linger_ms=3_000)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            inproc = f"inproc://tidal-core-out-{id(self):x}"
+            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull.bind(inproc)
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.SNDHWM, 0)
+            self._push.connect(inproc)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._out_q: "queue.SimpleQueue[tuple[bytes, EngineCoreOutputs] | None]" = queue.SimpleQueue()
+        self._gone: set[bytes] = set()  # identities already reported GONE (IO thread only)
+        self._num_garbage = 0
+        # Sockets were created here and are handed to their threads: Thread.start() is a full
+        # memory barrier, which is what ZMQ requires to migrate a socket between threads.
+        self._io_thread = threading.Thread(target=self._io_loop, name="tidal-core-io", daemon=True)
+        self._out_thread = threading.Thread(target=self._output_loop, name="tidal-core-out", daemon=True)
+        self._io_thread.start()
+        self._out_thread.start()
+        self._closed = False
+
+    # ---------------------------------------------------------------- busy-loop side
+    def send(self, identity: bytes, outputs: EngineCoreOutputs) -> None:
+        self._out_q.put((identity, outputs))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver every queued output (within the ROUTER's linger), then close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self._out_q.put(None)
+        self._out_thread.join(timeout_s)
+        self._io_thread.join(timeout_s)
+        self._ctx.destroy(linger=0)  # the ROUTER itself was closed with its linger in the IO thread
+
+    # ---------------------------------------------------------------- output thread
+    def _output_loop(self) -> None:
+        encoder = MsgpackEncoder()
+        push = self._push
+        try:
+            while True:
+                item = self._out_q.get()
+                if item is None:
+                    push.send(_STOP)
+                    return
+                identity, outputs = item
+                try:
+                    bufs = encoder.encode(outputs)
+                except Exception:  # an unencodable object must not take the output path down
+                    logger.exception("dropping an engine-core message that cannot be encoded")
+                    continue
+                push.send_multipart([identity, *bufs], copy=False)
+        finally:
+            push.close(linger=-1)  # inproc: everything pushed reaches the PULL side
+
+    # ---------------------------------------------------------------- IO thread
+    def _io_loop(self) -> None:
+        router, pull = self._router, self._pull
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        decoders = _Decoders()
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if pull in ready and self._forward_outputs(router, pull):
+                    return
+                if router in ready:
+                    for _ in range(_MAX_BURST):
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle_input(frames, decoders)
+        except Exception:
+            # Only a programming error gets here; without this thread the core is deaf, so
+            # tell the busy loop (it turns this into engine_dead for every front-end).
+            logger.exception("engine-core IO thread failed")
+            self.input_queue.put((b"io-dead", b"", "engine-core IO thread failed"))
+        finally:
+            router.close()  # with the linger set at creation: pending outputs still go out
+            pull.close(linger=0)
+
+    def _forward_outputs(self, router: zmq.Socket, pull: zmq.Socket) -> bool:
+        """Pass encoded outputs to their front-ends; True once the STOP marker arrived."""
+        for _ in range(_MAX_BURST):
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            if len(frames) == 1:
+                return True
+            try:
+                router.send_multipart(frames, copy=False)
+            except zmq.ZMQError as e:
+                if e.errno != errno.EHOSTUNREACH:
+                    raise
+                identity = frames[0].bytes
+                if identity not in self._gone:
+                    self._gone.add(identity)
+                    self.input_queue.put((GONE, identity, None))
+        return False
+
+    def _handle_input(self, frames: list[bytes], decoders: "_Decoders") -> None:
+        identity = frames[0]
+        self._gone.discard(identity)  # it is (back) on the line
+        if len(frames) < 3:
+            self._garbage(identity, f"{len(frames)} frame(s)")
+            return
+        kind, payload = frames[1], frames[2:]
+        try:
+            if kind == EngineCoreRequestType.ADD.value:
+                item: Any = decoders.add.decode(payload)
+            elif kind == EngineCoreRequestType.ABORT.value:
+                item = decoders.abort.decode(payload)
+            elif kind == EngineCoreRequestType.UTILITY.value:
+                item = decoders.utility.decode(payload)
+            else:
+                self._garbage(identity, f"unknown request type {kind[:8]!r}")
+                return
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            self._garbage(identity, f"undecodable {kind[:8]!r} payload ({e})")
+            if kind == EngineCoreRequestType.ADD.value:
+                self._reject_malformed_add(identity, payload, str(e))
+            return
+        self.input_queue.put((kind, identity, item))
+
+    def _reject_malformed_add(self, identity: bytes, payload: Sequence[bytes], problem: str) -> None:
+        """An ADD whose request id is still readable gets an ERROR output, so that its sender
+        does not wait forever for a request the core never queued."""
+        try:
+            fields = msgspec.msgpack.decode(payload[0])
+        except Exception:
+            return
+        if isinstance(fields, list) and fields and isinstance(fields[0], str):
+            out = EngineCoreOutput(fields[0], finish_reason=FinishReason.ERROR,
+                                   error=f"malformed request: {problem}")
+            self.send(identity, EngineCoreOutputs(outputs=[out]))
+
+    def _garbage(self, identity: bytes, what: str) -> None:
+        self._num_garbage += 1
+        n = self._num_garbage
+        if n <= 10 or n % 1000 == 0:
+            logger.warning("dropped a malformed message from front-end %s: %s (%d so far)",
+                           identity.hex()[:16], what, n)
+
+
+class _Decoders:
+    """Typed decoders, one per request type (no pickle: only these schemas are accepted)."""
+
+    def __init__(self) -> None:
+        self.add = MsgpackDecoder(EngineCoreRequest)
+        self.abort = MsgpackDecoder(list[str])
+        self.utility = MsgpackDecoder(UtilityRequest)

@@ -1,0 +1,350 @@
+"""The engine-core process: EngineCore in a busy loop behind one ZMQ ROUTER socket.
+
+Started by a front-end (`python -m tidal.core.core_proc --address ipc://... --config-json ...`,
+see frontend/core_process.py) or headless by an operator (`tidal core MODEL --address tcp://...`);
+both run `run_engine_core`. Front-ends connect DEALER sockets with unique identities; outputs
+go back to the identity that owns each request.
+
+Busy loop (main thread): block on the input queue only when there is no work (with a timeout,
+to check the parent and the executor's health), drain the queue, step, apply the aborts that
+arrived during the step, send that step's outputs. Handshake: a front-end's first call is the
+utility "hello", answered with the core's ResolvedEngineInfo; a core that fails to start answers
+it (and writes `--error-file`) with its error text. Death: an exception in the loop sends
+`engine_dead` to every front-end and exits non-zero; SIGTERM/SIGINT shut down cleanly; a spawned
+core exits when its parent dies (PR_SET_PDEATHSIG plus a parent-pid poll).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+
+from tidal.core.core_io import GONE, CoreIO, InputItem
+from tidal.protocol.config import EngineConfig
+from tidal.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+logger = logging.getLogger("tidal.core.core_proc")
+
+HELLO = "hello"  # handshake utility method, answered by the process (not by EngineCore)
+_IDLE_POLL_S = 0.5  # longest block on the input queue before parent/health checks
+_CHECK_EVERY_S = 1.0  # parent check period while busy
+_ADD, _ABORT, _UTILITY = (t.value for t in EngineCoreRequestType)
+_PR_SET_PDEATHSIG = 1
+
+
+class _Shutdown(BaseException):
+    """Raised in the main thread by a signal handler: leave the loop and shut down cleanly.
+    A BaseException so that no `except Exception` inside engine code swallows it."""
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, address: str, *, parent_pid: int | None = None,
+                 error_file: str | None = None) -> None:
+        self.config = config
+        self.parent_pid = parent_pid
+        self.error_file = error_file
+        self.input_queue: "queue.SimpleQueue[InputItem]" = queue.SimpleQueue()
+        self.engine: Any = None  # EngineCore once started
+        self._owner: dict[str, bytes] = {}  # request id -> identity of the front-end that sent it
+        self._num_owned: dict[bytes, int] = {}  # identity -> its unfinished requests
+        self._clients: set[bytes] = set()  # every identity that ever said hello or sent a request
+        self._shutting_down = False
+        self.io = CoreIO(address, self.input_queue)  # bind first: a bad address fails at once
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        """Start the engine, serve until told to stop; returns the process exit code."""
+        try:
+            from tidal.core.engine_core import EngineCore
+
+            self.engine = EngineCore(self.config)
+        except _Shutdown:
+            self.io.close()
+            return 0
+        except BaseException as e:
+            logger.exception("engine core failed to start")
+            self._fail_start(f"{type(e).__name__}: {e}")
+            return 1
+        logger.info("engine core ready at %s: %s", self.io.address, self.engine.info)
+        code, dead_msg = 0, "engine core shut down"
+        try:
+            self._busy_loop()
+        except _Shutdown as e:
+            dead_msg = f"engine core shut down ({e})"
+        except BaseException as e:
+            logger.exception("engine core busy loop failed")
+            code, dead_msg = 1, _summary(e)
+        self._shutting_down = True
+        # Whatever the reason, every front-end learns it now instead of waiting on a timeout.
+        for identity in self._clients:
+            self.io.send(identity, EngineCoreOutputs(engine_dead=dead_msg))
+        try:
+            self.engine.shutdown()
+        finally:
+            self.io.close()
+        return code
+
+    def _fail_start(self, error: str) -> None:
+        if self.error_file:
+            tmp = self.error_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(error)
+            os.replace(tmp, self.error_file)  # the front-end never reads a half-written file
+        while True:  # answer the handshakes that already arrived
+            try:
+                kind, identity, item = self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            if kind == _UTILITY:
+                self._reply(identity, item.call_id, None, f"engine core failed to start: {error}")
+        self.io.close()
+
+    def check_parent(self) -> None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            raise _Shutdown("parent process died")
+
+    # ------------------------------------------------------------------ busy loop
+    def _busy_loop(self) -> None:
+        engine, in_q = self.engine, self.input_queue
+        next_check = time.monotonic() + _CHECK_EVERY_S
+        while True:
+            extra: dict[bytes, list[EngineCoreOutput]] = {}
+            if not engine.has_unfinished_requests():
+                try:
+                    item = in_q.get(timeout=_IDLE_POLL_S)
+                except queue.Empty:
+                    self.check_parent()
+                    engine.check_health()
+                    continue
+                self._handle(item, extra, set())
+            aborted: set[str] = set()
+            self._drain(extra, aborted)
+            step = engine.step() if engine.has_unfinished_requests() else EngineCoreOutputs()
+            # Aborts (and adds) that arrived during the step are applied before it is sent.
+            self._drain(extra, aborted)
+            self._send_step(step, extra, aborted)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _CHECK_EVERY_S
+                self.check_parent()
+
+    def _drain(self, extra: dict[bytes, list[EngineCoreOutput]], aborted: set[str]) -> None:
+        in_q = self.input_queue
+        while True:
+            try:
+                item = in_q.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(item, extra, aborted)
+
+    def _handle(self, item: InputItem, extra: dict[bytes, list[EngineCoreOutput]], aborted: set[str]) -> None:
+        kind, identity, payload = item
+        if kind == _ADD:
+            self._clients.add(identity)
+            self._add(identity, payload, extra)
+        elif kind == _ABORT:
+            mine = [rid for rid in payload if self._owner.get(rid) == identity]  # only its own
+            for out in self.engine.abort_requests(mine):
+                aborted.add(out.request_id)
+                extra.setdefault(identity, []).append(out)
+        elif kind == _UTILITY:
+            self._clients.add(identity)
+            self._utility(identity, payload)
+        elif kind == GONE:
+            # Its connection is gone: nobody will read these requests' outputs; free their KV.
+            mine = [rid for rid, owner in self._owner.items() if owner == identity]
+            if mine:
+                logger.info("front-end %s disconnected; aborting its %d request(s)",
+                            identity.hex()[:16], len(mine))
+                for out in self.engine.abort_requests(mine):
+                    self._release(out.request_id)
+                for rid in mine:  # requests the engine no longer knew
+                    self._release(rid)
+            self._clients.discard(identity)
+        else:
+            raise RuntimeError(str(payload))  # the IO thread died
+
+    def _add(self, identity: bytes, req: EngineCoreRequest, extra: dict[bytes, list[EngineCoreOutput]]) -> None:
+        rid = req.request_id
+        err = None
+        if rid in self._owner:  # ids are unique per core, across front-ends
+            err = EngineCoreOutput(rid, finish_reason=FinishReason.ERROR,
+                                   error=f"request id {rid!r} is already running")
+        else:
+            try:
+                err = self.engine.add_request(req)
+            except Exception as e:  # a request that breaks the scheduler fails alone
+                logger.exception("add_request(%r) failed", rid)
+                err = EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=_summary(e))
+        if err is not None:
+            extra.setdefault(identity, []).append(err)
+            return
+        self._owner[rid] = identity
+        self._num_owned[identity] = self._num_owned.get(identity, 0) + 1
+
+    def _utility(self, identity: bytes, req: UtilityRequest) -> None:
+        try:
+            if req.method == HELLO:
+                result: Any = self.engine.info
+            else:
+                result = self.engine.call_utility(req.method, list(req.args))
+            # Plain builtins here, so that encoding on the output thread cannot fail.
+            self._reply(identity, req.call_id, msgspec.to_builtins(result), None)
+        except Exception as e:
+            self._reply(identity, req.call_id, None, f"{type(e).__name__}: {e}")
+
+    def _reply(self, identity: bytes, call_id: int, result: Any, failure: str | None) -> None:
+        out = UtilityOutput(call_id, result=result, failure=failure)
+        self.io.send(identity, EngineCoreOutputs(utility_output=out, timestamp=time.monotonic()))
+
+    def _release(self, rid: str) -> None:
+        identity = self._owner.pop(rid, None)
+        if identity is not None:
+            n = self._num_owned[identity] - 1
+            if n:
+                self._num_owned[identity] = n
+            else:
+                del self._num_owned[identity]
+
+    def _send_step(self, step: EngineCoreOutputs, extra: dict[bytes, list[EngineCoreOutput]],
+                   aborted: set[str]) -> None:
+        outputs = step.outputs
+        if aborted and outputs:
+            # The abort wins over what the step produced for the same request: mark that output
+            # finished (its tokens still count) instead of sending a second, later one.
+            by_id = {o.request_id: o for o in outputs}
+            for identity, outs in extra.items():
+                keep = []
+                for o in outs:
+                    hit = by_id.get(o.request_id) if o.finish_reason == FinishReason.ABORT else None
+                    if hit is None:
+                        keep.append(o)
+                    elif hit.finish_reason is None:
+                        hit.finish_reason = FinishReason.ABORT
+                extra[identity] = keep
+        if not outputs and not any(extra.values()):
+            return
+        owners = self._num_owned
+        if len(owners) == 1 and (not extra or extra.keys() == owners.keys()):
+            # One front-end (the common case): the step goes out as is, without regrouping.
+            (identity,) = owners
+            if extra:
+                outputs.extend(extra[identity])
+            self.io.send(identity, step)
+        else:
+            groups: dict[bytes, list[EngineCoreOutput]] = {}
+            owner_of = self._owner
+            for o in outputs:
+                identity = owner_of.get(o.request_id)
+                if identity is not None:
+                    groups.setdefault(identity, []).append(o)
+            for identity, outs in extra.items():
+                groups.setdefault(identity, []).extend(outs)
+            for identity, outs in groups.items():
+                if outs:
+                    self.io.send(identity, EngineCoreOutputs(
+                        outputs=outs, scheduler_stats=step.scheduler_stats, timestamp=step.timestamp))
+        for o in outputs:
+            if o.finish_reason is not None:
+                self._release(o.request_id)
+        for rid in aborted:
+            self._release(rid)
+
+
+def _summary(e: BaseException) -> str:
+    """The exception and where it happened (last frames), short enough for a log line."""
+    tb = traceback.extract_tb(e.__traceback__)[-3:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(tb))
+    return f"{type(e).__name__}: {e} (at {where})" if where else f"{type(e).__name__}: {e}"
+
+
+def _set_pdeathsig(sig: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid poll")
+
+
+def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: int | None) -> None:
+    def on_stop(signum: int, _frame: Any) -> None:
+        proc = proc_ref[0]
+        if proc is not None and proc._shutting_down:
+            return  # already on the way out: let the shutdown finish
+        raise _Shutdown(signal.Signals(signum).name)
+
+    def on_parent_signal(signum: int, _frame: Any) -> None:
+        # PDEATHSIG also fires when the *thread* that spawned us exits while its process lives
+        # on; only a changed parent pid means the front-end process itself is gone.
+        if parent_pid is not None and os.getppid() != parent_pid:
+            on_stop(signum, _frame)
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    if parent_pid is not None:
+        signal.signal(signal.SIGUSR1, on_parent_signal)
+        _set_pdeathsig(signal.SIGUSR1)
+
+
+def run_engine_core(config: EngineConfig, address: str, *, parent_pid: int | None = None,
+                    error_file: str | None = None) -> int:
+    """Serve `config` at `address` in this process until stopped; returns the exit code."""
+    proc_ref: list[EngineCoreProc | None] = [None]
+    _install_signal_handlers(proc_ref, parent_pid)
+    try:
+        if parent_pid is not None and os.getppid() != parent_pid:
+            return 0  # the parent died before PDEATHSIG was armed
+        proc_ref[0] = proc = EngineCoreProc(config, address, parent_pid=parent_pid, error_file=error_file)
+        return proc.run()
+    except _Shutdown:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="tidal engine-core process (spawned by a front-end)")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--config-json", required=True, help="EngineConfig.to_json()")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--error-file", default=None, help="where to write the start-up error")
+    parser.add_argument("--cleanup-dir", default=None, help="directory to remove on exit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s [engine-core %(process)d] %(name)s: %(message)s")
+    code = 1
+    try:
+        code = run_engine_core(EngineConfig.from_json(args.config_json), args.address,
+                               parent_pid=args.parent_pid, error_file=args.error_file)
+    except Exception as e:  # e.g. the address cannot be bound
+        logger.exception("engine core failed")
+        if args.error_file:
+            with open(args.error_file, "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+    finally:
+        # A front-end that was SIGKILLed cannot remove its ipc directory; its core does.
+        if args.cleanup_dir and args.parent_pid is not None and os.getppid() != args.parent_pid:
+            shutil.rmtree(args.cleanup_dir, ignore_errors=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

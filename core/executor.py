@@ -1,0 +1,104 @@
+"""Executors: how the engine core reaches its model workers.
+
+`UniProcExecutor` keeps the single worker in the core's own process (tensor_parallel_size=1);
+`MultiprocExecutor` (core/multiproc_executor.py) drives one worker process per rank;
+`NullExecutor` answers every step at once without torch (front-end benchmarks and tests).
+Torch is imported lazily, inside the worker, so `tidal.core` stays importable without it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+
+from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
+from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @staticmethod
+    def create(config: EngineConfig) -> "Executor":
+        if config.model_runner == "null":
+            return NullExecutor(config)
+        if config.tensor_parallel_size > 1:
+            from tidal.core.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor(config)
+        return UniProcExecutor(config)
+
+    @abstractmethod
+    def initialize(self) -> ResolvedEngineInfo:
+        """Load the model, size and allocate the KV cache; return the final limits."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone (the busy loop calls this when idle)."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    def initialize(self) -> ResolvedEngineInfo:
+        from tidal.worker.worker import Worker
+
+        self.worker = Worker(self.config, rank=0, world_size=1)
+        return self.worker.initialize()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.worker.execute_model(scheduler_output)
+        assert out is not None
+        return out
+
+    def shutdown(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+
+
+def read_model_limits(model: str) -> tuple[int, int]:
+    """(vocab_size, max_position_embeddings) from a checkpoint's config.json, without torch."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model!r}")
+    with open(path) as f:
+        cfg = json.load(f)
+    text_cfg = cfg.get("text_config", cfg)
+    return int(text_cfg["vocab_size"]), int(text_cfg.get("max_position_embeddings", 2048))
+
+
+class NullExecutor(Executor):
+    """Returns a token for every request whose chunk reaches its end, computed from
+    (position, request id) alone; costs no model time, so what is measured is the engine."""
+
+    def initialize(self) -> ResolvedEngineInfo:
+        self.vocab_size, max_pos = read_model_limits(self.config.model)
+        max_model_len = self.config.max_model_len or max_pos
+        bs = self.config.block_size
+        blocks = self.config.num_kv_blocks or self.config.max_num_seqs * (-(-max_model_len // bs)) + 1
+        self._lens: dict[str, int] = {}  # req_id -> tokens known to the runner
+        return ResolvedEngineInfo(max_model_len, blocks, bs, self.vocab_size)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        lens = self._lens
+        for rid in so.finished_req_ids:
+            lens.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            lens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+        for cached in so.scheduled_cached_reqs:
+            lens[cached.req_id] += len(cached.new_token_ids)
+        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        computed.update((c.req_id, c.num_computed_tokens) for c in so.scheduled_cached_reqs)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            end = computed[rid] + so.num_scheduled_tokens[rid]
+            # Tokens 3.. of the vocabulary; deterministic in the position so a preempted and
+            # recomputed request continues exactly.
+            sampled.append([3 + (end * 7919 + len(rid)) % (self.vocab_size - 3)] if end >= lens[rid] else [])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

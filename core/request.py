@@ -1,0 +1,146 @@
+"""Per-request state kept by the engine core's scheduler (vLLM V1's `Request`).
+
+Invariants:
+- `all_token_ids == prompt_token_ids + output_token_ids` at all times; only
+  `append_output_token_ids` grows them.
+- `0 <= num_computed_tokens <= num_tokens`: tokens whose KV is in the request's blocks.
+- `block_hashes` holds the hash chain of a prefix of the request's *full* blocks; the KV cache
+  manager extends it lazily (it owns the block size), it never shrinks.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+from tidal.protocol.messages import EngineCoreEventType, EngineCoreRequest, FinishReason
+from tidal.protocol.sampling_params import SamplingParams
+
+# (EngineCoreEventType value, time.monotonic()) as carried by `EngineCoreOutput.events`.
+EngineCoreEvent = tuple[int, float]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state (see `is_finished`).
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        *,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.request_id: str = request_id
+        self.prompt_token_ids: list[int] = prompt_token_ids  # never mutated
+        self.sampling_params: SamplingParams = sampling_params
+        self.eos_token_id: int | None = eos_token_id
+        self.arrival_time: float = time.time() if arrival_time is None else arrival_time
+
+        if sampling_params.max_tokens is not None:
+            self.max_tokens: int = sampling_params.max_tokens
+        elif max_model_len is not None:
+            self.max_tokens = max_model_len - len(prompt_token_ids)
+        else:
+            raise ValueError("max_tokens is None: max_model_len is needed to resolve it.")
+        self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids or ())
+
+        self.status: RequestStatus = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens: int = 0
+        self.num_cached_tokens: int = -1  # prefix-cache hit of the first admission; -1 before
+        self.block_hashes: list[int] = []
+        # How many of `all_token_ids` the model runner holds (0: it holds no state for us).
+        # The scheduler sends `all_token_ids[num_synced_tokens:]` as the next delta.
+        self.num_synced_tokens: int = 0
+        self.events: list[EngineCoreEvent] = []
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            max_model_len=max_model_len,
+        )
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+
+    # ------------------------------------------------------------------ status
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    # ------------------------------------------------------------------ events
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        """Events carry `time.monotonic()` stamps (as vLLM's)."""
+        self.events.append((int(event_type), time.monotonic() if timestamp is None else timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, out={self.num_output_tokens})"
+        )

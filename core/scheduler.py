@@ -1,0 +1,345 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching and recompute
+preemption (vLLM V1's policy).
+
+Invariants:
+- `requests` holds every unfinished request; each is in exactly one of `waiting` (WAITING or
+  PREEMPTED, no blocks) and `running` (RUNNING, holds blocks); `len(running) <= max_num_seqs`.
+- A running request always has `num_computed_tokens < num_tokens` between steps (its last
+  token is computed in the step that samples the next one).
+- Per step: sum of scheduled tokens <= max_num_batched_tokens, scheduled requests <= running.
+- The runner holds state for a request iff `request.num_synced_tokens > 0`; its id goes in
+  `finished_req_ids` once when that state must be dropped (finish, abort, preemption).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.request import Request, RequestStatus
+from tidal.protocol.config import EngineConfig
+from tidal.protocol.messages import (
+    CachedRequestData,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        num_kv_blocks: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_logprobs: int = 20,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
+        if num_kv_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_kv_blocks} blocks x {block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={max_model_len} tokens."
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be "
+                f">= max_model_len ({max_model_len})."
+            )
+        self.max_num_seqs: int = max_num_seqs
+        self.max_num_batched_tokens: int = max_num_batched_tokens
+        self.block_size: int = block_size
+        self.max_model_len: int = max_model_len
+        self.enable_chunked_prefill: bool = enable_chunked_prefill
+        self.max_logprobs: int = max_logprobs
+        self.kv_cache_manager: KVCacheManager = KVCacheManager(
+            num_kv_blocks, block_size, enable_caching=enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids whose runner state must be dropped; sent (then cleared) by the next schedule().
+        self.finished_req_ids: dict[str, None] = {}  # ordered set
+        # Stats (cumulative unless noted).
+        self.num_preemptions: int = 0
+        self.num_prompt_tokens: int = 0
+        self.num_generation_tokens: int = 0
+        self.num_batched_tokens: int = 0  # last step
+        self.num_scheduled_seqs: int = 0  # last step
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, num_kv_blocks: int, max_model_len: int) -> "Scheduler":
+        budget = cfg.budget_tokens
+        if not cfg.enable_chunked_prefill:
+            budget = max(budget, max_model_len)  # a whole prompt must fit one step (as vLLM)
+        return cls(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=budget,
+            block_size=cfg.block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_logprobs=cfg.max_logprobs,
+        )
+
+    # ------------------------------------------------------------------ requests in / out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError (nothing queued) for one that can never run."""
+        sp = request.sampling_params
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use.")
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"prompt length {request.num_prompt_tokens} must be in [1, {self.max_model_len}]."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sp, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}={k} exceeds max_logprobs={self.max_logprobs}.")
+        request.status = RequestStatus.WAITING
+        request.record_event(EngineCoreEventType.QUEUED)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort, error): free their blocks, drop them from the
+        queues. Unknown (or already finished) ids are ignored. Returns the requests ended."""
+        assert RequestStatus.is_finished(status), status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        ended: list[Request] = []
+        any_running = False
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                any_running = True  # removed from `running` below, in one pass
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            ended.append(request)
+        if any_running:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return ended
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if request.num_synced_tokens > 0:
+            self.finished_req_ids[request.request_id] = None
+            request.num_synced_tokens = 0
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop its KV; it resumes from the front of `waiting`."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        if request.num_synced_tokens > 0:
+            self.finished_req_ids[request.request_id] = None
+            request.num_synced_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        # 1. RUNNING requests, in admission order; preempt from the tail when blocks run out.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens <= 0:  # nothing to compute (runner owes a token): skip it
+                req_index += 1
+                continue
+            while True:
+                new_block_ids = kv.allocate_slots(request, num_new_tokens)
+                if new_block_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break  # `request` preempted itself: everything after it is gone too
+            cached_reqs.append(
+                CachedRequestData(
+                    req_id=request.request_id,
+                    new_token_ids=request.all_token_ids[request.num_synced_tokens :],
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            request.num_synced_tokens = request.num_tokens
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. WAITING requests, FCFS; none if this step had to preempt (no room to grow).
+        while (
+            not preempted
+            and self.waiting
+            and token_budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if num_new_tokens > token_budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new_tokens = token_budget
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, hit_block_ids, num_hit_tokens)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.record_event(EngineCoreEventType.SCHEDULED)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                    eos_token_id=request.eos_token_id,
+                )
+            )
+            request.num_synced_tokens = request.num_tokens
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        total = self.max_num_batched_tokens - token_budget
+        self.num_batched_tokens = total
+        self.num_scheduled_seqs = len(num_scheduled_tokens)
+        finished_req_ids = list(self.finished_req_ids)
+        self.finished_req_ids = {}
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished_req_ids,
+        )
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        kv = self.kv_cache_manager
+        sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # ended (e.g. aborted) after it was scheduled
+            start = request.num_computed_tokens
+            request.num_computed_tokens = start + num_tokens
+            if start < request.num_prompt_tokens:
+                self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - start
+            kv.cache_blocks(request, request.num_computed_tokens)
+
+            new_token_ids = sampled_by_id.get(request_id) or []
+            if new_token_ids:
+                new_token_ids = self._append_and_check_stop(request, new_token_ids)
+            new_prompt_logprobs = prompt_logprobs.get(request_id)
+            if not new_token_ids and new_prompt_logprobs is None:
+                continue
+            finish_reason = request.get_finished_reason()
+            if finish_reason is not None:
+                any_finished = True
+                self._free_request(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=logprobs.get(request_id) if new_token_ids else None,
+                    new_prompt_logprobs=new_prompt_logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    events=request.take_events(),
+                )
+            )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _append_and_check_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append sampled tokens one by one until a stop; returns those kept."""
+        sp = request.sampling_params
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token_ids(token_id)
+            self.num_generation_tokens += 1
+            num_output = request.num_output_tokens
+            if num_output >= sp.min_tokens:
+                if token_id == request.eos_token_id and not sp.ignore_eos:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                elif token_id in request.stop_token_ids:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = token_id
+            if not request.is_finished() and (
+                num_output >= request.max_tokens or request.num_tokens >= self.max_model_len
+            ):
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if request.is_finished():
+                return token_ids[: i + 1]
+        return token_ids
+
+    # ------------------------------------------------------------------ misc
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            num_batched_tokens=self.num_batched_tokens,
+            num_scheduled_seqs=self.num_scheduled_seqs,
+        )

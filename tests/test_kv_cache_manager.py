@@ -1,0 +1,209 @@
+"""BlockPool / KVCacheManager: ref counts, LRU free order, hash chain, prefix hits."""
+from __future__ import annotations
+
+from tidal.core.block_pool import BlockPool, hash_block_tokens
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.request import Request
+from tidal.protocol import SamplingParams
+
+
+def make_request(rid: str, prompt: list[int], **sp: object) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=4, **sp), eos_token_id=None, max_model_len=1024)
+
+
+def admit(kv: KVCacheManager, req: Request, num_new_tokens: int | None = None) -> list[int]:
+    """Look up the prefix cache and allocate like the scheduler does on admission."""
+    hit_ids, num_hit = kv.get_computed_blocks(req)
+    n = req.num_tokens - num_hit if num_new_tokens is None else num_new_tokens
+    assert kv.allocate_slots(req, n, hit_ids, num_hit) is not None
+    req.num_computed_tokens = num_hit
+    if req.num_cached_tokens < 0:
+        req.num_cached_tokens = num_hit
+    return hit_ids
+
+
+def compute(kv: KVCacheManager, req: Request, n: int) -> None:
+    req.num_computed_tokens += n
+    kv.cache_blocks(req, req.num_computed_tokens)
+
+
+def check_pool(pool: BlockPool, holders: list[list[int]]) -> None:
+    refs = [0] * pool.num_blocks
+    for ids in holders:
+        for i in ids:
+            refs[i] += 1
+    assert [b.ref_cnt for b in pool.blocks] == refs
+    assert set(pool.free_block_queue) == {i for i, r in enumerate(refs) if r == 0}
+    for h, b in pool.cached_block_hash_to_block.items():
+        assert b.block_hash == h
+
+
+def test_hash_chain_matches_formula() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(10))
+    req = make_request("a", prompt)
+    kv.get_computed_blocks(req)
+    h0 = hash((None, (0, 1, 2, 3)))
+    h1 = hash((h0, (4, 5, 6, 7)))
+    assert req.block_hashes == [h0, h1]
+    assert hash_block_tokens(h0, [4, 5, 6, 7]) == h1
+
+
+def test_least_recently_freed_reused_first() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    a, b = make_request("a", list(range(12))), make_request("b", list(range(100, 112)))
+    assert kv.allocate_slots(a, 12) == [0, 1, 2]
+    assert kv.allocate_slots(b, 12) == [3, 4, 5]
+    kv.free(a)  # tail first: 2, 1, 0
+    kv.free(b)  # then 5, 4, 3
+    assert kv.num_free_blocks == 8
+    c = make_request("c", list(range(200, 232)))
+    # Never-used blocks first, then in the order freed.
+    assert kv.allocate_slots(c, 32) == [6, 7, 2, 1, 0, 5, 4, 3]
+    assert kv.num_free_blocks == 0 and kv.usage == 1.0
+
+
+def test_prefix_hit_and_ref_counts() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    shared = list(range(12))
+    a = make_request("a", shared + [50, 51])
+    assert admit(kv, a) == []
+    compute(kv, a, a.num_tokens)
+    assert kv.num_free_blocks == 12
+
+    b = make_request("b", shared + [60, 61])
+    hits = admit(kv, b)
+    assert hits == kv.get_block_ids("a")[:3]
+    assert b.num_cached_tokens == 12
+    assert kv.get_block_ids("b")[:3] == hits
+    check_pool(kv.block_pool, [kv.get_block_ids("a"), kv.get_block_ids("b")])
+    assert kv.prefix_cache_queries == 28 and kv.prefix_cache_hits == 12
+
+
+def test_last_token_always_recomputed() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", list(range(12)))
+    admit(kv, a)
+    compute(kv, a, 12)
+    b = make_request("b", list(range(12)))
+    hit_ids, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8 and hit_ids == kv.get_block_ids("a")[:2]
+    # 13 tokens: all 3 full blocks can hit.
+    c = make_request("c", list(range(13)))
+    assert kv.get_computed_blocks(c)[1] == 12
+
+
+def test_freed_blocks_still_hit_until_reused() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)
+    compute(kv, a, 9)
+    a_blocks = kv.get_block_ids("a")
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    b = make_request("b", list(range(9)))
+    hits = admit(kv, b)
+    assert hits == a_blocks[:2] and b.num_computed_tokens == 8
+    # The hit blocks left the free queue; one new block was needed for token 8.
+    assert kv.num_free_blocks == 1
+    check_pool(kv.block_pool, [kv.get_block_ids("b")])
+
+
+def test_reuse_evicts_hash_and_tail_first() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7])  # 3 full blocks + 1 partial: blocks 0..3
+    admit(kv, a)
+    compute(kv, a, 7)
+    assert len(kv.block_pool.cached_block_hash_to_block) == 3
+    kv.free(a)  # free order: 3 (partial), 2, 1, 0
+    c = make_request("c", [9, 9, 9])  # 2 blocks: the tail ones go first
+    admit(kv, c)
+    assert kv.get_block_ids("c") == [3, 2]
+    assert kv.block_pool.blocks[2].block_hash is None  # evicted on reuse
+    assert len(kv.block_pool.cached_block_hash_to_block) == 2
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7])
+    assert kv.get_computed_blocks(b) == ([0, 1], 4)  # a's head survived
+
+
+def test_allocate_failure_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)
+    compute(kv, a, 9)
+    kv.free(a)
+    b = make_request("b", list(range(9)) + list(range(100, 120)))  # 29 tokens: 8 blocks
+    hit_ids, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8
+    before = [(blk.ref_cnt, blk.block_hash) for blk in kv.block_pool.blocks]
+    assert kv.allocate_slots(b, b.num_tokens - num_hit, hit_ids, num_hit) is None
+    assert [(blk.ref_cnt, blk.block_hash) for blk in kv.block_pool.blocks] == before
+    assert kv.num_free_blocks == 4 and kv.get_block_ids("b") == []
+    assert kv.prefix_cache_queries == 9  # only a's admission counted
+
+
+def test_evictable_hits_count_against_free_blocks() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request("a", list(range(9)))  # blocks 0, 1 full + cached; 2 partial
+    admit(kv, a)
+    compute(kv, a, 9)
+    kv.free(a)
+    # 13 tokens: 2 hit blocks (free, so touching them uses up 2 of the 3 free) + 2 new: no.
+    b = make_request("b", list(range(13)))
+    hit_ids, num_hit = kv.get_computed_blocks(b)
+    assert (hit_ids, num_hit) == ([0, 1], 8)
+    assert kv.allocate_slots(b, 5, hit_ids, num_hit) is None
+    check_pool(kv.block_pool, [])
+    # 12 tokens: 2 hits + 1 new block fits exactly.
+    b = make_request("b", list(range(12)))
+    hit_ids, num_hit = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 4, hit_ids, num_hit) == [2]
+    assert kv.num_free_blocks == 0
+    check_pool(kv.block_pool, [kv.get_block_ids("b")])
+
+
+def test_no_hit_with_prompt_logprobs_or_caching_off() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", list(range(13)))
+    admit(kv, a)
+    compute(kv, a, 13)
+    assert kv.get_computed_blocks(make_request("b", list(range(13)), prompt_logprobs=2)) == ([], 0)
+    assert kv.get_computed_blocks(make_request("c", list(range(13))))[1] == 12
+
+    off = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
+    a = make_request("a", list(range(13)))
+    admit(off, a)
+    compute(off, a, 13)
+    assert off.get_computed_blocks(make_request("b", list(range(13)))) == ([], 0)
+    assert off.block_pool.cached_block_hash_to_block == {}
+    assert off.prefix_cache_queries == 0
+
+
+def test_only_known_tokens_cached_and_decode_blocks_cached() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", list(range(6)))
+    admit(kv, a)
+    compute(kv, a, 6)
+    assert kv.num_cached_block["a"] == 1
+    # Decode: tokens 6, 7 appended and computed -> block 1 becomes full and cached.
+    a.append_output_token_ids(70)
+    kv.allocate_slots(a, 1)
+    compute(kv, a, 1)
+    a.append_output_token_ids(71)
+    assert kv.num_cached_block["a"] == 1
+    kv.allocate_slots(a, 1)
+    compute(kv, a, 1)
+    assert kv.num_cached_block["a"] == 2
+    b = make_request("b", list(range(6)) + [70, 71, 5])
+    assert kv.get_computed_blocks(b)[1] == 8
+
+
+def test_reset_prefix_cache() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)
+    compute(kv, a, 9)
+    assert kv.reset_prefix_cache() is False  # blocks in use
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert all(b.block_hash is None for b in kv.block_pool.blocks)

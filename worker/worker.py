@@ -1,0 +1,120 @@
+"""Worker: one per device. Loads its shard of the model, owns its KV cache, runs steps.
+
+With tensor_parallel_size=1 it lives in the engine core's process (UniProcExecutor); otherwise
+each rank runs in its own process (worker/worker_proc.py) and rank 0 answers for all.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo
+from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(config: EngineConfig, rank: int) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def load_hf_config(model: str):  # -> transformers.PretrainedConfig
+    from transformers import AutoConfig
+
+    if not model or not os.path.isdir(model):
+        raise ValueError(f"model directory {model!r} does not exist (tidal loads local checkpoints)")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model directory {model!r} has no config.json")
+    return AutoConfig.from_pretrained(model)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 distributed_init_method: str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.device = resolve_device(config, rank)
+
+    def initialize(self) -> ResolvedEngineInfo:
+        from tidal.worker.loader import load_model, resolve_dtype
+        from tidal.worker.model_runner import ModelRunner
+        from tidal.worker.models.registry import get_model_class
+
+        cfg = self.config
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            from tidal.worker.parallel_state import init_distributed
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            assert self.distributed_init_method is not None
+            init_distributed(self.rank, self.world_size, self.distributed_init_method, backend)
+        hf_config = load_hf_config(cfg.model)
+        get_model_class(hf_config)  # unknown architecture -> ValueError listing the supported
+        self.dtype = resolve_dtype(cfg.dtype, hf_config)
+        model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
+        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} is larger than the model's "
+                f"max_position_embeddings {model_max}")
+        self.max_model_len = cfg.max_model_len or model_max
+        torch.manual_seed(cfg.seed)
+        self.hf_config = hf_config
+        self.model = load_model(cfg.model, hf_config, self.dtype, cfg.load_format, self.device, cfg.seed)
+        num_blocks = self._num_kv_blocks()
+        self.model_runner = ModelRunner(self.model, block_size=cfg.block_size,
+                                        vocab_size=hf_config.vocab_size, device=self.device,
+                                        is_driver=self.rank == 0)
+        self.model_runner.bind_kv_cache(num_blocks, self.dtype)
+        return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size)
+
+    def kv_bytes_per_block(self) -> int:
+        from tidal.worker.attention import Attention
+
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.config.block_size * m.num_kv_heads * m.head_dim * elt for m in layers)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        blocks = budget // per_block
+        # More blocks than every sequence at full length can use is memory for nothing.
+        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        blocks = min(blocks, cfg.max_num_seqs * blocks_per_seq + 1)
+        if blocks < 1:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes: "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization")
+        if self.world_size > 1:
+            # Every rank must agree on the pool; take the smallest.
+            from tidal.worker.parallel_state import all_reduce_min
+
+            blocks = all_reduce_min(blocks)
+        return int(blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.world_size > 1:
+            from tidal.worker.parallel_state import destroy_distributed
+
+            destroy_distributed()
