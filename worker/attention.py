@@ -1,0 +1,328 @@
+"""Attention over a paged KV cache, and the forward context that carries its metadata.
+
+The model runner builds one `AttentionMetadata` per step, enters `set_forward_context(meta)`
+around `model.forward`, and every `Attention` layer reads it from `get_forward_context()`.
+Everything that depends only on the batch layout (which tokens decode, which cache slots to
+gather, masks) is computed once in `AttentionMetadata.build`, not once per layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence with query_len > 1 (a prompt or a chunk of one)."""
+
+    q_start: int
+    q_end: int
+    seq_len: int  # context length including this chunk
+    # Flat cache slots of positions [0, seq_len) when earlier context is cached; None when the
+    # chunk is the whole context, so attention runs on the new K/V without touching the cache.
+    kv_slots: torch.Tensor | None = None
+    # [q_len, seq_len] bool, True = may attend; None means plain causal (no cached context).
+    mask: torch.Tensor | None = None
+
+
+# Bound on (decodes in a group) x (longest context in it): the padded K/V gathered for one SDPA
+# call. 32K tokens is ~128 MiB per tensor at 8 kv heads x 128 dims in float32.
+DECODE_GATHER_MAX_TOKENS = 32768
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes (query_len == 1) attended together in one SDPA call."""
+
+    num: int
+    token_start: int  # their tokens are [token_start, token_start + num) when token_indices is None
+    token_indices: torch.Tensor | None
+    max_len: int
+    # [num * max_len] flat slots; positions past a sequence's end repeat its position 0 (a
+    # written slot, so never uninitialized memory) and are masked out.
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None  # [num, 1, 1, max_len] bool; None when all lengths are equal
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[int],
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+    ) -> "DecodeGroup":
+        device = block_tables.device
+        token_idx = [query_start_loc[i] for i in seqs]
+        start = token_idx[0]
+        contiguous = token_idx == list(range(start, start + len(seqs)))
+        indices = None if contiguous else torch.tensor(token_idx, dtype=torch.long, device=device)
+        lens_list = [seq_lens[i] for i in seqs]
+        max_len = max(lens_list)
+        lens = torch.tensor(lens_list, dtype=torch.long, device=device)
+        rows = torch.tensor(seqs, dtype=torch.long, device=device)
+        pos = torch.arange(max_len, device=device)
+        valid = pos[None, :] < lens[:, None]
+        pos = torch.where(valid, pos[None, :], 0)
+        blocks = block_tables.index_select(0, rows).gather(1, pos // block_size)
+        slots = (blocks * block_size + pos % block_size).reshape(-1)
+        mask = valid[:, None, None, :] if min(lens_list) != max_len else None
+        return cls(len(seqs), start, indices, max_len, slots, mask)
+
+
+@dataclass
+class AttentionMetadata:
+    # The batch is flattened: sequence i owns tokens query_start_loc[i]:query_start_loc[i+1].
+    # Sequences may be prefill chunks (query_len > 1, possibly with earlier context cached) or
+    # decodes (query_len == 1), mixed in one batch in any order.
+    slot_mapping: torch.Tensor  # [T] int64 flat slot (block_id * block_size + offset) per new token
+    query_start_loc: list[int]  # [B+1]
+    seq_lens: list[int]  # [B] context length of each seq INCLUDING this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    block_size: int
+    # ---- derived by build() ----
+    num_decodes: int = 0
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Tokens whose slot is >= 0 (negative slots mark padding tokens that must not be cached);
+    # None when every token is written.
+    write_token_indices: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: torch.Tensor,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+    ) -> "AttentionMetadata":
+        device = block_tables.device
+        num_seqs = len(seq_lens)
+        if len(query_start_loc) != num_seqs + 1:
+            raise ValueError("query_start_loc must have len(seq_lens) + 1 entries")
+        query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
+        decodes = [i for i in range(num_seqs) if query_lens[i] == 1]
+        meta = cls(slot_mapping, list(query_start_loc), list(seq_lens), block_tables, block_size)
+        meta.num_decodes = len(decodes)
+
+        # Decodes in batch order, cut into groups whose padded gather stays bounded.
+        group: list[int] = []
+        group_max = 0
+        for i in decodes:
+            new_max = max(group_max, seq_lens[i])
+            if group and new_max * (len(group) + 1) > DECODE_GATHER_MAX_TOKENS:
+                meta.decode_groups.append(DecodeGroup.build(group, query_start_loc, seq_lens, block_tables, block_size))
+                group, new_max = [], seq_lens[i]
+            group.append(i)
+            group_max = new_max
+        if group:
+            meta.decode_groups.append(DecodeGroup.build(group, query_start_loc, seq_lens, block_tables, block_size))
+
+        for i in range(num_seqs):
+            q_len = query_lens[i]
+            if q_len <= 1:
+                continue
+            start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
+            span = PrefillSpan(start, end, seq_len)
+            if seq_len > q_len:  # earlier context lives in the cache
+                pos = torch.arange(seq_len, device=device)
+                span.kv_slots = block_tables[i, pos // block_size] * block_size + pos % block_size
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                span.mask = pos[None, :] <= q_pos[:, None]
+            elif seq_len < q_len:
+                raise ValueError(f"seq {i}: seq_len {seq_len} < query_len {q_len}")
+            meta.prefills.append(span)
+
+        # One host sync per step (not per layer) to support padded batches.
+        if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+            meta.write_token_indices = torch.nonzero(slot_mapping >= 0).flatten()
+        return meta
+
+
+_forward_context: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[None]:
+    global _forward_context
+    prev = _forward_context
+    _forward_context = attn_metadata
+    try:
+        yield
+    finally:
+        _forward_context = prev
+
+
+def get_forward_context() -> AttentionMetadata | None:
+    return _forward_context
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[KVH, L, D] -> [KVH*groups, L, D]; on CPU this is faster than SDPA's enable_gqa path."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention over one sequence: q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    groups = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        _expand_kv(k.transpose(0, 1), groups),
+        _expand_kv(v.transpose(0, 1), groups),
+        is_causal=True,
+        scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Write k/v into the caches at metadata.slot_mapping, then attend."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend on any device using torch SDPA.
+
+    Decodes share one SDPA call (per bounded group): their contexts are gathered from the cache
+    into one padded [B, KVH, L, D] tensor, and the query heads of each kv group become query rows
+    ([B, KVH, H/KVH, D]), so GQA needs no K/V expansion. Only prefill chunks are looped over.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        self._write_cache(k, v, flat_k, flat_v, metadata)
+
+        num_tokens, num_heads = q.shape[0], q.shape[1]
+        q_per_kv = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+
+        for group in metadata.decode_groups:
+            n, max_len, idx = group.num, group.max_len, group.token_indices
+            q_dec = q[group.token_start : group.token_start + n] if idx is None else q.index_select(0, idx)
+            k_dec = flat_k.index_select(0, group.kv_slots).view(n, max_len, num_kv_heads, head_dim)
+            v_dec = flat_v.index_select(0, group.kv_slots).view(n, max_len, num_kv_heads, head_dim)
+            o_dec = F.scaled_dot_product_attention(
+                q_dec.view(n, num_kv_heads, q_per_kv, head_dim),
+                k_dec.transpose(1, 2),
+                v_dec.transpose(1, 2),
+                attn_mask=group.mask,
+                scale=scale,
+            ).reshape(n, num_heads, head_dim)
+            if n == num_tokens:
+                return o_dec  # pure decode batch: nothing to scatter
+            if idx is None:
+                out[group.token_start : group.token_start + n] = o_dec
+            else:
+                out.index_copy_(0, idx, o_dec)
+
+        for span in metadata.prefills:
+            s, e = span.q_start, span.q_end
+            q_i = q[s:e].transpose(0, 1)  # [H, q_len, D]
+            if span.kv_slots is None:
+                k_i, v_i = k[s:e], v[s:e]
+            else:
+                k_i = flat_k.index_select(0, span.kv_slots)
+                v_i = flat_v.index_select(0, span.kv_slots)
+            o_i = F.scaled_dot_product_attention(
+                q_i,
+                _expand_kv(k_i.transpose(0, 1), q_per_kv),
+                _expand_kv(v_i.transpose(0, 1), q_per_kv),
+                attn_mask=span.mask,
+                is_causal=span.mask is None,
+                scale=scale,
+            )
+            out[s:e] = o_i.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _write_cache(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        slots = metadata.slot_mapping
+        idx = metadata.write_token_indices
+        if idx is not None:
+            slots, k, v = slots.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
+        flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+
+
+class Attention(nn.Module):
+    """Per-layer attention; `k_cache`/`v_cache` are bound by the model runner.
+
+    Caches are plain attributes (not buffers) so they stay out of state_dict and `.to()`.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        backend: AttentionBackend | None = None,
+        layer_idx: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        self.layer_idx = layer_idx
+        self.backend: AttentionBackend = backend or TorchAttentionBackend()
+        self.k_cache: torch.Tensor = torch.empty(0)
+        self.v_cache: torch.Tensor = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        metadata = get_forward_context()
+        if metadata is None or self.k_cache.numel() == 0:
+            # Dummy/profile run: the whole input is one causal sequence, nothing is cached.
+            out = causal_attention(q, k, v, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale:.4g}"

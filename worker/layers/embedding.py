@@ -1,0 +1,87 @@
+"""Vocab-parallel embedding and LM head.
+
+The vocabulary is split in contiguous ranges of ceil(vocab / tp_size) rows; the last ranks'
+ranges may run past the true vocab and are zero-padded, so logits are gathered over the padded
+size and trimmed back to the true vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.worker.layers.linear import LoadedWeight, copy_checked, narrow_weight, weight_shape
+from tidal.worker.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings  # the true vocab size
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.num_embeddings_padded = self.num_embeddings_per_partition * self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
+        rows = weight_shape(loaded)[0]
+        if rows != self.num_embeddings:
+            raise ValueError(f"{type(self).__name__}: checkpoint has {rows} rows, config vocab_size is {self.num_embeddings}")
+        n = max(self.vocab_end_index - self.vocab_start_index, 0)
+        if n > 0:
+            shard = narrow_weight(loaded, 0, self.vocab_start_index, n)
+            copy_checked(param.data[:n], shard, type(self).__name__)
+        param.data[n:].zero_()  # padding rows: zero logits / embeddings, trimmed or masked anyway
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce sums the
+        # single rank that owns each id.
+        mask = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index) * mask
+        out = F.embedding(local_ids, self.weight)
+        out.masked_fill_(~mask.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, per_partition={self.num_embeddings_per_partition}, "
+            f"dim={self.embedding_dim}, tp_size={self.tp_size}"
+        )
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-sharded output projection; `compute_logits` returns the full (true) vocab."""
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
+        # Same partitioning as the embedding, so sharing the Parameter shares each rank's shard.
+        self.weight = embed_tokens.weight
+        return self
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        if logits.shape[-1] != self.num_embeddings:
+            logits = logits[..., : self.num_embeddings]
+        return logits
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits")

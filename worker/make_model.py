@@ -1,0 +1,258 @@
+"""Make small Hugging Face checkpoints offline, in seconds: tests and the embedded default model.
+
+A byte-level BPE tokenizer is trained with the `tokenizers` library on a fixed slice of Python's
+own standard library sources (cached per vocab size), and a Llama/Mistral/Qwen2/Qwen3 model with
+seeded random weights is built with `transformers` and saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+SPECIAL_TOKENS: list[str] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS_TOKEN, PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|endoftext|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DEFAULT_ARCH = "qwen3"
+# Tiny Qwen3 shape for the embedded default model (~4M parameters, made in ~1 s).
+DEFAULT_MODEL_KWARGS: dict[str, Any] = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+# Bump when the corpus recipe or trainer settings change, so caches are rebuilt.
+_TOKENIZER_VERSION = 1
+_CORPUS_BYTES = 2 << 20
+
+_ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def cache_dir() -> str:
+    return os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
+
+
+def default_model_dir() -> str:
+    return os.path.join(cache_dir(), "default-model")
+
+
+def _training_corpus() -> list[str]:
+    """The first ~2 MB of the sorted top-level stdlib modules: deterministic per Python build."""
+    stdlib = os.path.dirname(os.__file__)
+    texts: list[str] = []
+    total = 0
+    for name in sorted(os.listdir(stdlib)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(stdlib, name), encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+        total += len(texts[-1])
+        if total >= _CORPUS_BYTES:
+            break
+    return texts
+
+
+def train_tokenizer_json(vocab_size: int) -> str:
+    """Path of a cached tokenizer.json (byte-level BPE, `vocab_size` entries incl. specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for a byte-level tokenizer")
+    py = f"{sys.version_info[0]}{sys.version_info[1]}"
+    folder = os.path.join(cache_dir(), "tokenizers", f"bytebpe-v{_TOKENIZER_VERSION}-py{py}-{vocab_size}")
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(path):
+        return path
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text round-trips
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    tok.save(tmp)
+    os.replace(tmp, path)  # atomic: concurrent makers never see a partial file
+    return path
+
+
+def write_tokenizer(out_dir: str, vocab_size: int, tokenizer_dir: str | None = None) -> int:
+    """Write HF tokenizer files into out_dir; returns the tokenizer's vocabulary size."""
+    from tokenizers import Tokenizer
+
+    src = os.path.join(tokenizer_dir, "tokenizer.json") if tokenizer_dir else train_tokenizer_json(vocab_size)
+    shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
+    tok = Tokenizer.from_file(src)
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "additional_special_tokens": [EOS_TOKEN, "<|im_start|>"],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f, indent=2)
+    special_map = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+        json.dump(special_map, f, indent=2)
+    return tok.get_vocab_size()
+
+
+def make_model(
+    out_dir: str,
+    arch: str = DEFAULT_ARCH,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool | None = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    seed: int = 0,
+    init_std: float = 0.1,
+    max_shard_size: int | str | None = None,
+    dtype: str = "float32",
+    tokenizer_dir: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> str:
+    """Write a complete HF checkpoint (config, safetensors, tokenizer, generation config).
+
+    init_std is the normal std of every linear/embedding weight. 0.1 (5x HF's default) gives
+    logits with top-1/top-2 gaps far above float32 noise, so greedy comparisons against
+    transformers are not decided by near-ties. tie_word_embeddings defaults to True for the
+    Qwen archs and False for Llama/Mistral, as the published small models do.
+    Returns out_dir.
+    """
+    import torch
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(_ARCHS)}")
+    os.makedirs(out_dir, exist_ok=True)
+    tok_vocab = write_tokenizer(out_dir, vocab_size, tokenizer_dir)
+    if tok_vocab > vocab_size:
+        raise ValueError(f"tokenizer has {tok_vocab} tokens but vocab_size is {vocab_size}")
+    ids = {t: SPECIAL_TOKENS.index(t) for t in SPECIAL_TOKENS}
+
+    config_name, model_name = _ARCHS[arch]
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch.startswith("qwen")
+    cfg: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        initializer_range=init_std,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=ids[BOS_TOKEN],
+        eos_token_id=ids[EOS_TOKEN],
+        pad_token_id=ids[PAD_TOKEN],
+        hidden_act="silu",
+        use_cache=True,
+    )
+    if arch == "mistral":
+        cfg["sliding_window"] = None  # full attention, which is all tidal implements
+    cfg.update(config_overrides or {})
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    config = getattr(transformers, config_name)(**cfg)
+    config.architectures = [model_name]
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):  # HF zero-inits biases; random ones make bias loading testable
+                    param.normal_(0.0, init_std)
+    model = model.to(torch_dtype).eval()
+    model.config.dtype = torch_dtype
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    hf_logging = transformers.utils.logging
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar per test model is noise
+    try:
+        model.save_pretrained(out_dir, **save_kwargs)
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
+    transformers.GenerationConfig(
+        bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN]
+    ).save_pretrained(out_dir)
+    return out_dir
+
+
+def ensure_default_model() -> str:
+    """Make the embedded default model once per cache dir and return its path.
+
+    Built in a sibling temp dir and renamed into place, so a reader never sees a half-written
+    model and concurrent first runs do not corrupt each other.
+    """
+    final = default_model_dir()
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".default-model-", dir=parent)
+    try:
+        make_model(tmp, DEFAULT_ARCH, **DEFAULT_MODEL_KWARGS)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isfile(os.path.join(final, "config.json")):
+                raise  # not a lost race: a real failure
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

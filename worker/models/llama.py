@@ -1,0 +1,227 @@
+"""Llama family: Llama / Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+
+Inputs are flattened over the batch ([T] token ids and positions); attention metadata comes
+from the forward context set by the model runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidal.worker.attention import Attention
+from tidal.worker.layers.activation import SiluAndMul
+from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.worker.layers.layernorm import RMSNorm
+from tidal.worker.layers.linear import (
+    LoadedWeight,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from tidal.worker.layers.rotary import RotaryEmbedding, get_rope, rope_params_from_config
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.total_num_heads
+        self.qkv_proj = QKVParallelLinear(
+            self.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=o_bias)
+        # One RotaryEmbedding (cos/sin table) shared by all layers, as vLLM's get_rope cache does.
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx=layer_idx
+        )
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
+            num_tokens = q.shape[0]
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb, layer_idx, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            getattr(config, "hidden_act", "silu"),
+            bias=bool(getattr(config, "mlp_bias", False)),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope_theta, rope_scaling = rope_params_from_config(config)
+        self.rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, i, qkv_bias, o_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # (fused param name, checkpoint name, shard id)
+    packed_modules_mapping: list[tuple[str, str, str | int]] = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.config = hf_config
+        qkv_bias, o_bias, qk_norm = self._attention_options(hf_config)
+        window = getattr(hf_config, "sliding_window", None)
+        if window and (getattr(hf_config, "use_sliding_window", True)) and window < hf_config.max_position_embeddings:
+            logger.warning(
+                "sliding_window=%d is ignored: attention is full-context (exact for sequences <= %d tokens)",
+                window,
+                window,
+            )
+        self.model = LlamaModel(hf_config, qkv_bias, o_bias, qk_norm)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    @staticmethod
+    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
+        """(qkv bias, o_proj bias, per-head q/k norm) as the HF class for this family builds."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias, False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Load HF-named weights; returns the names of the parameters that were loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, weight in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy anyway
+            for fused, original, shard_id in self.packed_modules_mapping:
+                if original in name:
+                    param_name = name.replace(original, fused)
+                    break
+            else:
+                param_name, shard_id = name, None
+            param = params.get(param_name)
+            if param is None:
+                logger.warning("ignoring unexpected checkpoint weight %s", name)
+                continue
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            weight_loader(param, weight, shard_id)
+            loaded.add(param_name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
+        return True, False, False  # HF Qwen2: q/k/v have bias, o_proj has none
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias, True

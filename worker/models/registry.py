@@ -1,0 +1,32 @@
+"""Architecture name (config.json "architectures") -> model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tidal.worker.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architecture(s) {architectures or '(none in config)'}; "
+        f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )
