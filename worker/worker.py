@@ -36,11 +36,13 @@ def load_hf_config(model: str):  # -> transformers.PretrainedConfig
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 distributed_init_method: str | None = None) -> None:
+                 distributed_init_method: str | None = None,
+                 distributed_listen_fd: int | None = None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.distributed_init_method = distributed_init_method
+        self.distributed_listen_fd = distributed_listen_fd  # rank 0: the rendezvous socket
         self.device = resolve_device(config, rank)
 
     def initialize(self) -> ResolvedEngineInfo:
@@ -51,12 +53,18 @@ class Worker:
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # CPU ranks share the cores: oversubscribed OpenMP threads spin against each other
+            # and a matmul can get 10x slower, so each rank takes its share.
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            torch.set_num_threads(max(1, (cores or 1) // self.world_size))
         if self.world_size > 1:
             from tidal.worker.parallel_state import init_distributed
 
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             assert self.distributed_init_method is not None
-            init_distributed(self.rank, self.world_size, self.distributed_init_method, backend)
+            init_distributed(self.rank, self.world_size, self.distributed_init_method, backend,
+                             listen_fd=self.distributed_listen_fd)
         hf_config = load_hf_config(cfg.model)
         get_model_class(hf_config)  # unknown architecture -> ValueError listing the supported
         self.dtype = resolve_dtype(cfg.dtype, hf_config)

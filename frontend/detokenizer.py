@@ -1,0 +1,222 @@
+"""Incremental detokenization: token ids in, newly *complete* text out (vLLM V1's detokenizer).
+
+Byte-level BPE tokens can split a multi-byte UTF-8 character; the bytes are held back until the
+character is complete, so a streamed chunk never ends in half a character. The concatenation of
+every `update()` plus the final `flush()` equals `tokenizer.decode(all_ids, skip_special_tokens=...)`
+(with trailing U+FFFD for bytes that never completed, as `decode` shows them).
+
+- Fast tokenizers use `tokenizers.decoders.DecodeStream` (Rust, about half a microsecond a token).
+- Other tokenizers use vLLM's prefix/read-offset method on `tokenizer.decode`.
+- `detokenize=False` (or no tokenizer) gets the base class, which decodes nothing.
+
+The stream is primed with a few prompt tokens (as vLLM does) so that decoders which strip the
+first token's leading space (SentencePiece/Metaspace) see the context the output continues.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tidal.protocol.messages import EngineCoreRequest, LogprobsArrays
+from tidal.protocol.outputs import Logprob
+
+try:  # tokenizers >= 0.21
+    from tokenizers import Tokenizer as _RustTokenizer
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # pragma: no cover - tokenizers is a dependency, DecodeStream may be missing
+    _RustTokenizer = None  # type: ignore[assignment,misc]
+    _DecodeStream = None  # type: ignore[assignment,misc]
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt suffix used as decoding context: the shortest of these lengths that decodes cleanly.
+_PRIME_MIN_TOKENS = 4
+_PRIME_MAX_TOKENS = 24
+
+DecodeFn = Callable[[list[int]], str]
+
+
+def rust_backend(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` behind a fast (or raw Rust) tokenizer, else None."""
+    if _RustTokenizer is None or tokenizer is None:
+        return None
+    if isinstance(tokenizer, _RustTokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend if isinstance(backend, _RustTokenizer) else None
+
+
+def make_decode_fn(tokenizer: Any, skip_special_tokens: bool) -> DecodeFn:
+    backend = rust_backend(tokenizer)
+    if backend is not None:
+        rust_decode = backend.decode
+        return lambda ids: rust_decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _select_prime(decode: DecodeFn, prompt_token_ids: list[int]) -> list[int]:
+    """A short prompt suffix that ends on a character boundary and decodes without U+FFFD."""
+    n = len(prompt_token_ids)
+    for k in range(min(_PRIME_MIN_TOKENS, n), min(_PRIME_MAX_TOKENS, n) + 1) if n else ():
+        suffix = prompt_token_ids[-k:]
+        if _REPLACEMENT_CHAR not in decode(suffix):
+            return list(suffix)
+    return []
+
+
+class IncrementalDetokenizer:
+    """Base class, and the no-op detokenizer of a `detokenize=False` request."""
+
+    __slots__ = ()
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Consume new token ids; return only the text they complete."""
+        return ""
+
+    def flush(self) -> str:
+        """At the end of the request: whatever is still held back (incomplete bytes as U+FFFD)."""
+        return ""
+
+    @staticmethod
+    def from_request(tokenizer: Any | None, request: EngineCoreRequest) -> "IncrementalDetokenizer":
+        params = request.sampling_params
+        if tokenizer is None or not params.detokenize:
+            return IncrementalDetokenizer()
+        skip = params.skip_special_tokens
+        if _DecodeStream is not None and rust_backend(tokenizer) is not None:
+            return FastIncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip)
+        return SlowIncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip)
+
+
+class FastIncrementalDetokenizer(IncrementalDetokenizer):
+    """`DecodeStream` over the Rust tokenizer. Keeps the ids only to flush at the end."""
+
+    __slots__ = ("_backend", "_decode", "_stream", "_prime", "_token_ids", "_emitted", "_pending")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self._backend = rust_backend(tokenizer)
+        self._decode = make_decode_fn(tokenizer, skip_special_tokens)
+        self._stream: Any = _DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._prime = _select_prime(self._decode, prompt_token_ids)
+        self._token_ids: list[int] = []
+        emitted = 0
+        step = self._stream.step
+        for tid in self._prime:
+            text = step(self._backend, tid)
+            if text is not None:
+                emitted += len(text)
+        self._emitted = emitted  # characters the stream has returned, the prime's included
+        self._pending = False  # the last step returned nothing: bytes may be held back
+
+    def update(self, new_token_ids: list[int]) -> str:
+        self._token_ids.extend(new_token_ids)
+        stream = self._stream
+        if stream is None:
+            return self._redecode(False)
+        backend = self._backend
+        if len(new_token_ids) == 1:
+            try:
+                text = stream.step(backend, new_token_ids[0])
+            except Exception:  # e.g. "Invalid prefix encountered": decode in full from now on
+                self._stream = None
+                return self._redecode(False)
+            if text is None:
+                self._pending = True
+                return ""
+            self._pending = False
+            self._emitted += len(text)
+            return text
+        out: list[str] = []
+        for tid in new_token_ids:
+            try:
+                text = stream.step(backend, tid)
+            except Exception:
+                self._stream = None
+                return "".join(out) + self._redecode(False)
+            if text is None:
+                self._pending = True
+            else:
+                self._pending = False
+                self._emitted += len(text)
+                out.append(text)
+        return "".join(out)
+
+    def flush(self) -> str:
+        if not self._pending and self._stream is not None:
+            return ""
+        return self._redecode(True)
+
+    def _redecode(self, final: bool) -> str:
+        full = self._decode(self._prime + self._token_ids)
+        if not final and full.endswith(_REPLACEMENT_CHAR):
+            self._pending = True
+            return ""
+        text = full[self._emitted:]
+        self._emitted += len(text)
+        self._pending = False
+        return text
+
+
+class SlowIncrementalDetokenizer(IncrementalDetokenizer):
+    """vLLM's prefix/read-offset method over `tokenizer.decode` (any tokenizer)."""
+
+    __slots__ = ("_decode", "_ids", "_prefix_offset", "_read_offset")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self._decode = make_decode_fn(tokenizer, skip_special_tokens)
+        self._ids = _select_prime(self._decode, prompt_token_ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def update(self, new_token_ids: list[int]) -> str:
+        out: list[str] = []
+        ids, decode = self._ids, self._decode
+        for tid in new_token_ids:
+            ids.append(tid)
+            prefix_text = decode(ids[self._prefix_offset:self._read_offset])
+            new_text = decode(ids[self._prefix_offset:])
+            if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
+                out.append(new_text[len(prefix_text):])
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(ids)
+        return "".join(out)
+
+    def flush(self) -> str:
+        ids = self._ids
+        if self._read_offset == len(ids):
+            return ""
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(ids)
+        return new_text[len(prefix_text):]
+
+
+class TokenTexts:
+    """Cached text of single tokens, for `Logprob.decoded_token` (special tokens shown)."""
+
+    __slots__ = ("_decode", "_cache")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode = make_decode_fn(tokenizer, skip_special_tokens=False)
+        self._cache: dict[int, str] = {}
+
+    def get(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._decode([token_id])
+        return text
+
+
+def logprobs_to_dicts(arrays: LogprobsArrays, token_text: Callable[[int], str] | None
+                      ) -> tuple[list[dict[int, Logprob]], float]:
+    """Rows of [chosen, top-1..top-k] to dicts (chosen first, its rank from `ranks`, top-j
+    ranked j); plus the sum of the chosen tokens' logprobs."""
+    rows: list[dict[int, Logprob]] = []
+    total = 0.0
+    for ids, lps, rank in zip(arrays.token_ids.tolist(), arrays.logprobs.tolist(), arrays.ranks.tolist()):
+        chosen = ids[0]
+        row = {chosen: Logprob(lps[0], rank, token_text(chosen) if token_text else None)}
+        for j in range(1, len(ids)):
+            if ids[j] not in row:
+                row[ids[j]] = Logprob(lps[j], j, token_text(ids[j]) if token_text else None)
+        total += lps[0]
+        rows.append(row)
+    return rows, total

@@ -1,0 +1,166 @@
+"""Front-end input processing (vLLM V1's processor.py): tokenize, validate, seed.
+
+Every problem with a request raises `ValueError` here, before anything is queued.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import operator
+import os
+import random
+import time
+from typing import Any
+
+from tidal.frontend.detokenizer import rust_backend
+from tidal.protocol.messages import EngineCoreRequest
+from tidal.protocol.sampling_params import SamplingParams
+
+# Drawn seeds stay below 2**63 with room for the n > 1 children's seed + i.
+_SEED_LIMIT = (1 << 63) - (1 << 32)
+# Prompts longer than this (characters) are tokenized in a worker thread by process_async.
+ASYNC_TOKENIZE_MIN_CHARS = 2000
+_PROBE_TEXT = "Hello world! 你好 😀 \n  def f(x): return x"
+
+
+def _generation_config_eos(tokenizer: Any) -> list[int]:
+    """eos_token_id(s) from generation_config.json beside the tokenizer, if there is one."""
+    path = getattr(tokenizer, "name_or_path", None)
+    if not path or not os.path.isdir(path):
+        return []
+    try:
+        with open(os.path.join(path, "generation_config.json"), encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if isinstance(eos, int):
+        return [eos]
+    if isinstance(eos, list):
+        return [e for e in eos if isinstance(e, int)]
+    return []
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any | None, *, max_model_len: int, vocab_size: int,
+                 max_logprobs: int, eos_token_id: int | list[int] | None = None) -> None:
+        """`eos_token_id` overrides the tokenizer's/generation_config's (a list: the first is the
+        EOS, the others become stop token ids, as vLLM does with generation_config)."""
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        if eos_token_id is None:
+            eos_ids = _generation_config_eos(tokenizer) if tokenizer is not None else []
+            tok_eos = getattr(tokenizer, "eos_token_id", None)
+            if isinstance(tok_eos, int):
+                eos_ids = [tok_eos] + [e for e in eos_ids if e != tok_eos]
+        else:
+            eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.extra_eos_token_ids: list[int] = eos_ids[1:]
+        # The Rust encoder directly when it agrees with the tokenizer's own encode (faster, and
+        # safe to call from a worker thread while the loop decodes).
+        self._encode = None if tokenizer is None else tokenizer.encode
+        backend = rust_backend(tokenizer)
+        if backend is not None and tokenizer is not backend:
+            try:
+                if backend.encode(_PROBE_TEXT).ids == list(tokenizer.encode(_PROBE_TEXT)):
+                    self._encode = lambda text: backend.encode(text).ids
+            except Exception:
+                pass
+        elif backend is not None:
+            self._encode = lambda text: backend.encode(text).ids
+
+    # ------------------------------------------------------------------ prompts
+    def _parse_prompt(self, prompt: str | dict) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if not isinstance(prompt, dict):
+            raise ValueError(
+                f"prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, "
+                f"got {type(prompt).__name__}")
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise ValueError(f"unknown prompt key(s) {unknown}; expected 'prompt' or 'prompt_token_ids'")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"'prompt' must be a str, got {type(text).__name__}")
+        if "prompt_token_ids" not in prompt:
+            if text is None:
+                raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
+            return text, None
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(ids).__name__}")
+        if not all(type(t) is int for t in ids):
+            clean: list[int] = []
+            for t in ids:  # numpy integers are fine; bools, floats, strings are not
+                if isinstance(t, bool) or not hasattr(t, "__index__"):
+                    raise ValueError(f"'prompt_token_ids' must hold ints, got {t!r}")
+                clean.append(operator.index(t))
+            ids = clean
+        return text, list(ids)
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self._encode is None:
+            raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
+        return list(self._encode(text))
+
+    # --------------------------------------------------------------- validation
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        n, limit = len(ids), self.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        if n > limit:
+            raise ValueError(f"prompt length {n} exceeds max_model_len {limit}")
+        if params.max_tokens is None:
+            if n >= limit:
+                raise ValueError(f"prompt length {n} leaves no room to generate within "
+                                 f"max_model_len {limit}")
+        elif n + params.max_tokens > limit:
+            raise ValueError(f"prompt length {n} + max_tokens {params.max_tokens} exceeds "
+                             f"max_model_len {limit}")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"prompt token id {lo if lo < 0 else hi} is out of vocabulary "
+                             f"range [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"requested {name}={k} exceeds max_logprobs {self.max_logprobs}")
+
+    # ------------------------------------------------------------------ process
+    def process(self, request_id: str, prompt: str | dict, params: SamplingParams,
+                arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+        """Validated `EngineCoreRequest` (sampling params cloned, never mutated) and the prompt
+        text (None for a token-id prompt). n > 1 stays in the params: fan out with ParentRequest."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._parse_prompt(prompt)
+        if ids is None:
+            ids = self._tokenize(text)  # type: ignore[arg-type]
+        self._validate(ids, params)
+        changes: dict[str, Any] = {}
+        if params.seed is None:
+            changes["seed"] = random.randrange(_SEED_LIMIT)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            stop_ids = list(params.stop_token_ids or ())
+            extra = [t for t in self.extra_eos_token_ids if t not in stop_ids]
+            if extra:
+                changes["stop_token_ids"] = stop_ids + extra
+        params = params.clone(**changes)
+        request = EngineCoreRequest(request_id, ids, params, self.eos_token_id,
+                                    time.time() if arrival_time is None else arrival_time)
+        return request, text
+
+    async def process_async(self, request_id: str, prompt: str | dict, params: SamplingParams,
+                            arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+        """`process`, tokenizing long prompts in a worker thread so the event loop keeps serving."""
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
+        if isinstance(text, str) and len(text) > ASYNC_TOKENIZE_MIN_CHARS:
+            return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time)
+        return self.process(request_id, prompt, params, arrival_time)
+

@@ -1,0 +1,125 @@
+"""InputProcessor: prompt forms, seeding, eos, and every ValueError (raised before queueing)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tidal.frontend.input_processor import InputProcessor
+from tidal.protocol.messages import EngineCoreRequest
+from tidal.protocol.sampling_params import SamplingParams
+
+try:
+    from test_detokenizer import train_tokenizer
+except ImportError:  # tests/ made a package
+    from tests.test_detokenizer import train_tokenizer  # type: ignore[no-redef]
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return train_tokenizer()
+
+
+@pytest.fixture
+def ip(tokenizer: Any) -> InputProcessor:
+    return InputProcessor(tokenizer, max_model_len=MAX_LEN, vocab_size=len(tokenizer), max_logprobs=5)
+
+
+def test_prompt_forms(ip: InputProcessor, tokenizer: Any) -> None:
+    p = SamplingParams(max_tokens=8)
+    text = "Hello, 世界 😀"
+    r1, t1 = ip.process("a", text, p)
+    r2, t2 = ip.process("b", {"prompt": text}, p)
+    r3, t3 = ip.process("c", {"prompt_token_ids": r1.prompt_token_ids}, p)
+    r4, _ = ip.process("d", {"prompt_token_ids": [np.int64(5), 6]}, p)
+    assert isinstance(r1, EngineCoreRequest) and r1.request_id == "a"
+    assert r1.prompt_token_ids == tokenizer(text).input_ids == r2.prompt_token_ids == r3.prompt_token_ids
+    assert (t1, t2, t3) == (text, text, None)
+    assert r4.prompt_token_ids == [5, 6] and all(type(t) is int for t in r4.prompt_token_ids)
+    assert r1.eos_token_id == tokenizer.eos_token_id == 0
+    assert r1.arrival_time > 0 and ip.process("e", "x", p, arrival_time=7.0)[0].arrival_time == 7.0
+
+
+def test_seed_drawn_on_a_clone(ip: InputProcessor) -> None:
+    user = SamplingParams(max_tokens=4, n=3, temperature=0.0)  # n > 1 greedy: allowed
+    r1, _ = ip.process("a", "hi", user)
+    r2, _ = ip.process("b", "hi", user)
+    assert user.seed is None  # never mutated
+    s1, s2 = r1.sampling_params.seed, r2.sampling_params.seed
+    assert isinstance(s1, int) and 0 <= s1 < 2**63 and s1 != s2
+    assert r1.sampling_params.n == 3
+    seeded = SamplingParams(max_tokens=4, seed=7)
+    assert ip.process("c", "hi", seeded)[0].sampling_params.seed == 7
+
+
+def test_max_tokens_none_means_up_to_max_model_len(ip: InputProcessor) -> None:
+    req, _ = ip.process("a", {"prompt_token_ids": [1] * (MAX_LEN - 1)}, SamplingParams(max_tokens=None))
+    assert req.sampling_params.max_tokens is None
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "empty"),
+    ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+    ({"prompt_token_ids": [1] * (MAX_LEN + 1)}, SamplingParams(max_tokens=1),
+     f"prompt length {MAX_LEN + 1} exceeds max_model_len {MAX_LEN}"),
+    ({"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=5),
+     f"prompt length 60 \\+ max_tokens 5 exceeds max_model_len {MAX_LEN}"),
+    ({"prompt_token_ids": [1] * MAX_LEN}, SamplingParams(max_tokens=None), f"max_model_len {MAX_LEN}"),
+    ({"prompt_token_ids": [1, 1000]}, SamplingParams(), r"out of vocabulary range \[0, 1000\)"),
+    ({"prompt_token_ids": [-1, 3]}, SamplingParams(), r"\[0, 1000\)"),
+    ({"prompt_token_ids": [1, 2.0]}, SamplingParams(), "must hold ints"),
+    ({"prompt_token_ids": [1, True]}, SamplingParams(), "must hold ints"),
+    ({"prompt_token_ids": ["1"]}, SamplingParams(), "must hold ints"),
+    ({"prompt_token_ids": "1 2"}, SamplingParams(), "list of ints"),
+    ({"prompt": "hi", "images": []}, SamplingParams(), "unknown prompt key"),
+    ({}, SamplingParams(), "needs 'prompt' or 'prompt_token_ids'"),
+    ({"prompt": 3}, SamplingParams(), "'prompt' must be a str"),
+    ([1, 2, 3], SamplingParams(), "prompt must be"),
+    ("hi", SamplingParams(logprobs=6), "logprobs=6 exceeds max_logprobs 5"),
+    ("hi", SamplingParams(prompt_logprobs=9), "prompt_logprobs=9 exceeds max_logprobs 5"),
+])
+def test_value_errors(ip: InputProcessor, prompt: Any, params: SamplingParams, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ip.process("r", prompt, params)
+
+
+def test_bad_request_id_and_params(ip: InputProcessor) -> None:
+    with pytest.raises(ValueError, match="request_id"):
+        ip.process("", "hi", SamplingParams())
+    with pytest.raises(ValueError, match="SamplingParams"):
+        ip.process("r", "hi", {"max_tokens": 3})  # type: ignore[arg-type]
+
+
+def test_long_text_prompt_over_limit(ip: InputProcessor) -> None:
+    with pytest.raises(ValueError, match=f"exceeds max_model_len {MAX_LEN}"):
+        ip.process("r", "word " * 200, SamplingParams())
+
+
+def test_generation_config_eos(tokenizer: Any, tmp_path: Any) -> None:
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ip = InputProcessor(tok, max_model_len=MAX_LEN, vocab_size=len(tok), max_logprobs=5)
+    req, _ = ip.process("r", "hi", SamplingParams(stop_token_ids=[7]))
+    assert req.eos_token_id == 0 and req.sampling_params.stop_token_ids == [7, 2]
+    req, _ = ip.process("r", "hi", SamplingParams(ignore_eos=True))
+    assert req.sampling_params.stop_token_ids == []
+    ip2 = InputProcessor(tok, max_model_len=MAX_LEN, vocab_size=len(tok), max_logprobs=5, eos_token_id=2)
+    assert ip2.process("r", "hi", SamplingParams())[0].eos_token_id == 2
+
+
+async def test_process_async(ip: InputProcessor, tokenizer: Any) -> None:
+    big = InputProcessor(tokenizer, max_model_len=100_000, vocab_size=len(tokenizer), max_logprobs=5)
+    text = "def f(x):\n    return x * 2\n" * 200  # > 2000 chars: tokenized in a thread
+    req, t = await big.process_async("r", text, SamplingParams())
+    assert t == text and req.prompt_token_ids == tokenizer(text).input_ids
+    req, t = await ip.process_async("s", {"prompt_token_ids": [1, 2]}, SamplingParams())
+    assert t is None and req.prompt_token_ids == [1, 2]
+    with pytest.raises(ValueError, match="empty"):
+        await ip.process_async("r", "", SamplingParams())
