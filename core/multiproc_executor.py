@@ -1,130 +1,348 @@
 """MultiprocExecutor: one worker process per tensor-parallel rank.
 
-Each step's SchedulerOutput (new requests in full, running ones as deltas) is encoded once and
-the same frames go to every rank. Only rank 0 answers with the sampled tokens; a rank that
-fails says so on the shared result socket. While waiting the executor also watches every
-worker process, so a dead or silent rank becomes an error naming it within a poll interval or
-the step timeout, never a hang.
+Each step's SchedulerOutput (new requests in full, running ones as deltas) is encoded once;
+the same frames (large ones as one shared zero-copy zmq.Frame) go to every rank's socket.
+Only rank 0 answers with the sampled tokens; a rank that fails says so on the shared result
+socket. While waiting, the executor also watches every worker process, so a failed, dead or
+silent rank becomes a `WorkerFailure` (an `EngineDeadError`) naming it and the cause, never a
+hang; the other workers are stopped at once and every later call raises the same error.
+
+Nothing is fixed per host: sockets live in a private ipc directory, and the rendezvous port
+for torch.distributed is a socket bound here (port 0) and handed to rank 0, so two engines on
+one host never collide and no other process can take the port in between.
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
+from typing import Any
 
 import zmq
 
 from tidal.core.executor import Executor
 from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from tidal.protocol.config import ResolvedEngineInfo
+from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerFrame
-from tidal.protocol.process import free_port, stop_process
+from tidal.protocol.process import SpawnerThread, listen_socket, stop_processes
 from tidal.protocol.zmq_utils import IpcDir
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 100
+_POLL_MS = 100  # longest wait on the result socket between health checks
+_ZERO_COPY_MIN = 64 * 1024  # smaller frames are cheaper to copy than to share
+# After a rank reports a failure raised inside a collective (most likely a peer's death or
+# failure seen from its side), how long to look for the root cause on the other ranks.
+_PEER_GRACE_S = 2.0
+# After a rank is seen dead, how long to wait for a report it may have sent just before.
+_DEATH_GRACE_S = 0.3
+_GRACEFUL_EXIT_S = 3.0  # SHUTDOWN -> exit; then SIGTERM, then SIGKILL
 STEP, SHUTDOWN = WorkerFrame.STEP, WorkerFrame.SHUTDOWN
 READY, OUTPUT, FAILED = WorkerFrame.READY, WorkerFrame.OUTPUT, WorkerFrame.FAILED
+IN_COLLECTIVE = b"c"  # see worker_proc
+WHERE = b"W"  # see worker_proc: a rank's answer to a probe
+_PROBE_WAIT_S = 2.0  # how long a timed-out step waits for the ranks to say where they are
+_STARTUP, _IDLE = "start-up", "idle"
 
 
-class WorkerFailure(RuntimeError):
-    pass
+class WorkerFailure(EngineDeadError):
+    """A worker failed, died or stopped answering; names the rank and the cause."""
+
+
+def _exit_cause(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Workers:
+    """Everything that must be released: processes, sockets, ipc dir, spawner thread.
+    `close()` is idempotent and thread-safe; it also runs from a weakref finalizer, so an
+    executor that is dropped without shutdown() still leaves nothing behind."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+        self.procs: list[subprocess.Popen] = []
+        self.step_sockets: list[zmq.Socket] = []
+        self.probe_sockets: list[zmq.Socket] = []
+        self.ipc: IpcDir | None = None
+        self.ctx: zmq.Context | None = None
+        self.spawner: SpawnerThread | None = None
+
+    def close(self, graceful: bool = True) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            procs = self.procs
+            try:
+                if graceful and procs:
+                    for sock, proc in zip(self.step_sockets, procs):
+                        if proc.poll() is None:
+                            try:
+                                sock.send(SHUTDOWN, zmq.NOBLOCK)
+                            except zmq.ZMQError:
+                                pass
+                    deadline = time.monotonic() + _GRACEFUL_EXIT_S
+                    for proc in procs:
+                        try:
+                            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                        except subprocess.TimeoutExpired:
+                            pass
+                stop_processes(procs, timeout_s=2.0 if graceful else 1.0)
+            finally:
+                if self.spawner is not None:
+                    self.spawner.release()
+                if self.ctx is not None:
+                    self.ctx.destroy(linger=0)
+                if self.ipc is not None:
+                    self.ipc.cleanup()
 
 
 class MultiprocExecutor(Executor):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.world_size = config.tensor_parallel_size
+        self._w = _Workers()
+        self._finalizer = weakref.finalize(self, self._w.close, False)
+        self._dead: str | None = None
+        self._step = 0
+        self._ready: dict[int, ResolvedEngineInfo] = {}
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        return self._w.procs
+
+    @property
+    def ipc_path(self) -> str | None:
+        return self._w.ipc.path if self._w.ipc is not None else None
+
+    # ---------------------------------------------------------------- start-up
     def initialize(self) -> ResolvedEngineInfo:
-        cfg = self.config
-        self.world_size = cfg.tensor_parallel_size
-        self.ipc = IpcDir("tidal-workers-")
-        self.ctx = zmq.Context()
-        self.results = self.ctx.socket(zmq.PULL)
+        try:
+            return self._start()
+        except BaseException:
+            self._w.close(graceful=False)
+            raise
+
+    def _start(self) -> ResolvedEngineInfo:
+        cfg, w = self.config, self._w
+        w.ipc = IpcDir("tidal-workers-")
+        w.ctx = zmq.Context()
+        self.results = w.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
-        result_address = self.ipc.address("results")
+        self.results.setsockopt(zmq.RCVHWM, 0)
+        result_address = w.ipc.address("results")
         self.results.bind(result_address)
-        self.step_sockets: list[zmq.Socket] = []
-        self.procs: list[subprocess.Popen] = []
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        config_json = cfg.to_json().decode()
-        for rank in range(self.world_size):
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            address = self.ipc.address(f"steps-{rank}")
-            sock.bind(address)
-            self.step_sockets.append(sock)
-            env = dict(os.environ, TIDAL_WORKER_RANK=str(rank))
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tidal.worker.worker_proc", "--config-json", config_json,
-                 "--rank", str(rank), "--world-size", str(self.world_size),
-                 "--init-method", init_method, "--step-address", address,
-                 "--result-address", result_address], env=env, stdin=subprocess.DEVNULL))
+        w.spawner = SpawnerThread("tidal-worker-spawner")
+        listener = listen_socket("127.0.0.1")
+        try:
+            host, port = listener.getsockname()[:2]
+            init_method = f"tcp://{host}:{port}"
+            config_json = cfg.to_json().decode()
+            env = dict(os.environ)
+            if "OMP_NUM_THREADS" not in env:
+                # N ranks on one host share its cores; torch's default (all cores per process)
+                # oversubscribes them and CPU tensor parallelism crawls.
+                cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                env["OMP_NUM_THREADS"] = str(max(1, cpus // self.world_size))
+            for rank in range(self.world_size):
+                sock = w.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                address = w.ipc.address(f"steps-{rank}")
+                sock.bind(address)
+                w.step_sockets.append(sock)
+                probe = w.ctx.socket(zmq.PUSH)
+                probe.setsockopt(zmq.LINGER, 0)
+                probe_address = w.ipc.address(f"probe-{rank}")
+                probe.bind(probe_address)
+                w.probe_sockets.append(probe)
+                args = [sys.executable, "-m", "tidal.worker.worker_proc", "--config-json", config_json,
+                        "--rank", str(rank), "--world-size", str(self.world_size),
+                        "--init-method", init_method, "--step-address", address,
+                        "--result-address", result_address, "--probe-address", probe_address]
+                pass_fds: tuple[int, ...] = ()
+                if rank == 0:
+                    args += ["--listen-fd", str(listener.fileno())]
+                    pass_fds = (listener.fileno(),)
+                rank_env = dict(env, TIDAL_WORKER_RANK=str(rank))
+                w.procs.append(w.spawner.call(lambda: subprocess.Popen(
+                    args, env=rank_env, stdin=subprocess.DEVNULL, pass_fds=pass_fds, close_fds=True)))
+        finally:
+            listener.close()  # rank 0 holds its own copy of the listening socket
         self.encoder = MsgpackEncoder()
         self.out_decoder = MsgpackDecoder(ModelRunnerOutput)
-        infos: dict[int, ResolvedEngineInfo] = {}
         info_decoder = MsgpackDecoder(ResolvedEngineInfo)
+        infos = self._ready
         deadline = time.monotonic() + cfg.engine_start_timeout_s
-        try:
-            while len(infos) < self.world_size:
-                kind, rank, payload = self._recv(deadline, "to start")
-                if kind != READY:
-                    raise WorkerFailure(f"worker rank {rank} sent {kind!r} before READY")
-                infos[rank] = info_decoder.decode(payload)
-        except BaseException:
-            self.shutdown()
-            raise
+        while len(infos) < self.world_size:
+            kind, rank, payload = self._recv(deadline, _STARTUP)
+            if kind != READY:
+                self._fail(f"worker rank {rank} sent {kind!r} before it was ready")
+            infos[rank] = info_decoder.decode(payload)
+        if len({(i.num_kv_blocks, i.max_model_len, i.vocab_size) for i in infos.values()}) != 1:
+            self._fail(f"workers disagree on the engine limits: {infos}")
         return infos[0]
 
-    def _recv(self, deadline: float, what: str) -> tuple[bytes, int, list]:
+    # ------------------------------------------------------------------- steps
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._dead is not None:
+            raise WorkerFailure(self._dead)
+        if self._w.closed:
+            raise WorkerFailure("the tensor-parallel workers were shut down")
+        self._step += 1
+        deadline = time.monotonic() + self.config.worker_step_timeout_s
+        self._broadcast([STEP, *self.encoder.encode(scheduler_output)], deadline)
+        kind, rank, payload = self._recv(deadline, f"step {self._step}")
+        if kind != OUTPUT or rank != 0:
+            self._fail(f"worker rank {rank} sent {kind!r} during step {self._step}")
+        try:
+            return self.out_decoder.decode(payload)
+        except Exception as e:  # noqa: BLE001
+            self._fail(f"worker rank 0 sent a malformed step output: {type(e).__name__}: {e}")
+            raise  # unreachable
+
+    def _broadcast(self, frames: list[Any], deadline: float) -> None:
+        """The same encoded frames to every rank; a large frame is one zmq.Frame whose memory
+        every socket shares (no copy per rank)."""
+        msg = [zmq.Frame(f) if len(f) >= _ZERO_COPY_MIN else f for f in frames]
+        for rank, sock in enumerate(self._w.step_sockets):
+            while True:
+                try:
+                    sock.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    # No peer on the socket: the rank is gone (or never connected).
+                    self.check_health()
+                    if time.monotonic() > deadline:
+                        self._fail(f"worker rank {rank} did not take step {self._step} within "
+                                   f"worker_step_timeout_s={self.config.worker_step_timeout_s}s")
+                    sock.poll(_POLL_MS, zmq.POLLOUT)
+
+    def _recv(self, deadline: float, what: str) -> tuple[bytes, int, list[Any]]:
         """Next message from any rank; raises WorkerFailure naming the rank and cause when a
         worker fails, dies, or nothing arrives before `deadline`."""
         while True:
             if self.results.poll(_POLL_MS):
-                frames = self.results.recv_multipart(copy=False)
-                kind, rank = frames[0].bytes, int(frames[1].bytes)
+                kind, rank, payload = self._read_result()
                 if kind == FAILED:
-                    raise WorkerFailure(f"worker rank {rank} failed: {frames[2].bytes.decode(errors='replace')}")
-                return kind, rank, [f.buffer for f in frames[2:]]
-            self.check_health()
+                    self._diagnose(what, {rank: payload}, _PEER_GRACE_S)
+                if kind == WHERE:
+                    continue  # a late answer to an earlier probe
+                return kind, rank, payload
+            self._check_procs(what)
             if time.monotonic() > deadline:
-                raise WorkerFailure(f"worker rank 0 did not answer {what} within the timeout")
+                self._timed_out(what)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        frames = [STEP, *self.encoder.encode(scheduler_output)]
-        for sock in self.step_sockets:
-            sock.send_multipart(frames, copy=False)
-        deadline = time.monotonic() + self.config.worker_step_timeout_s
-        kind, rank, payload = self._recv(deadline, "a step")
-        if kind != OUTPUT or rank != 0:
-            raise WorkerFailure(f"unexpected {kind!r} from worker rank {rank} during a step")
-        return self.out_decoder.decode(payload)
-
-    def check_health(self) -> None:
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code is not None:
-                cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                raise WorkerFailure(f"worker rank {rank} died ({cause})")
-
-    def shutdown(self) -> None:
-        procs = getattr(self, "procs", [])
-        for sock in getattr(self, "step_sockets", []):
+    def _timed_out(self, what: str) -> None:
+        """Ask every rank where its main thread is, then name the stuck one: a rank that does
+        not answer, or one busy in this step outside any collective (the others wait for it
+        inside one); failing that, rank 0, which owes the answer."""
+        for sock in self._w.probe_sockets:
             try:
-                sock.send(SHUTDOWN, zmq.NOBLOCK)
+                sock.send(b"?", zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        deadline = time.monotonic() + 3.0
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in procs:
-            stop_process(proc, timeout_s=3.0)
-        self.procs = []
-        if hasattr(self, "ctx"):
-            self.ctx.destroy(linger=0)
-            del self.ctx
-        if hasattr(self, "ipc"):
-            self.ipc.cleanup()
+        where: dict[int, tuple[int, str, bool]] = {}
+        end = time.monotonic() + _PROBE_WAIT_S
+        while len(where) < self.world_size and self.results.poll(max(0, int((end - time.monotonic()) * 1000))):
+            frames = self.results.recv_multipart()
+            if frames[0] == WHERE:
+                where[int(frames[1])] = (int(frames[2]), frames[3].decode(errors="replace"),
+                                         len(frames) > 4 and frames[4] == IN_COLLECTIVE)
+            elif frames[0] == FAILED:
+                self._diagnose(what, {int(frames[1]): (frames[2].decode(errors="replace"),
+                                                       len(frames) > 3 and frames[3] == IN_COLLECTIVE)},
+                               _PEER_GRACE_S)
+        stuck = [r for r in range(self.world_size)
+                 if r not in where or (where[r][0] == self._step and not where[r][2])]
+        if what == _STARTUP:
+            stuck = [r for r in range(self.world_size) if r not in self._ready]
+        rank = stuck[0] if stuck else 0
+        states = "; ".join(
+            f"rank {r}: " + ("no answer" if r not in where else
+                             f"{'in step ' + str(where[r][0]) if where[r][0] else 'idle' if r in self._ready else 'starting'}"
+                             f"{', in a collective' if where[r][2] else ''} at {where[r][1]}")
+            for r in range(self.world_size))
+        if what == _STARTUP:
+            self._fail(f"worker rank {rank} did not finish start-up within engine_start_timeout_s="
+                       f"{self.config.engine_start_timeout_s}s ({states})")
+        self._fail(f"worker rank {rank} did not finish {what} within worker_step_timeout_s="
+                   f"{self.config.worker_step_timeout_s}s ({states})")
+
+    def _read_result(self) -> tuple[bytes, int, Any]:
+        frames = self.results.recv_multipart(copy=False)
+        kind, rank = frames[0].bytes, int(frames[1].bytes)
+        if kind == FAILED:
+            text = frames[2].bytes.decode(errors="replace").rstrip()
+            return kind, rank, (text, len(frames) > 3 and frames[3].bytes == IN_COLLECTIVE)
+        return kind, rank, [f.buffer for f in frames[2:]]
+
+    # ------------------------------------------------------------------ failure
+    def _check_procs(self, what: str) -> None:
+        if any(p.poll() is not None for p in self._w.procs):
+            self._diagnose(what, {}, _DEATH_GRACE_S)
+
+    def _diagnose(self, what: str, reports: dict[int, tuple[str, bool]], grace_s: float) -> None:
+        """Find the root cause among failure reports and dead processes, then fail.
+
+        A failure raised inside a collective is usually a peer's death or failure seen from
+        the other side, so look a little longer for a report that is not one, or for a rank
+        that died without a word; the first such one is the cause."""
+        end = time.monotonic() + grace_s
+
+        def settled() -> bool:
+            return any(not coll for _, coll in reports.values())
+
+        while not settled() and time.monotonic() < end:
+            if self.results.poll(20):
+                kind, rank, payload = self._read_result()
+                if kind == FAILED:
+                    reports.setdefault(rank, payload)
+                continue
+            silent_dead = [r for r, p in enumerate(self._w.procs) if p.poll() is not None and r not in reports]
+            if silent_dead and time.monotonic() > end - grace_s + _DEATH_GRACE_S:
+                break
+        where = {_STARTUP: "during start-up", _IDLE: "while idle"}.get(what, f"in {what}")
+        for rank, (text, coll) in reports.items():
+            if not coll:
+                self._fail(f"worker rank {rank} failed {where}: {text}")
+        for rank, proc in enumerate(self._w.procs):
+            code = proc.poll()
+            if code is not None and rank not in reports:
+                self._fail(f"worker rank {rank} died {where} ({_exit_cause(code)})")
+        if not reports:
+            self._fail(f"the tensor-parallel workers stopped {where}")
+        rank, (text, _) = next(iter(reports.items()))
+        self._fail(f"worker rank {rank} failed {where}: {text}")
+
+    def _fail(self, message: str) -> None:
+        """Record the error, stop every worker now, and raise it (now and on every later call)."""
+        if self._dead is None:
+            self._dead = message
+            logger.error("tensor-parallel workers failed: %s", message)
+            self._w.close(graceful=False)
+        raise WorkerFailure(self._dead)
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerFailure(self._dead)
+        if self._w.closed:
+            raise WorkerFailure("the tensor-parallel workers were shut down")
+        self._check_procs(_IDLE)
+
+    def shutdown(self) -> None:
+        """Stop and reap every worker, remove the ipc directory. Idempotent."""
+        self._w.close(graceful=True)
+        self._finalizer.detach()

@@ -23,16 +23,34 @@ def init_distributed(
     init_method: str,
     backend: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    listen_fd: int | None = None,
 ) -> None:
-    """Join the tensor-parallel group (e.g. backend="gloo" on CPU, "nccl" on GPU)."""
+    """Join the tensor-parallel group (e.g. backend="gloo" on CPU, "nccl" on GPU).
+
+    `listen_fd` (rank 0 only): a socket the parent already bound and listens on at the port
+    named in `init_method` (tcp://host:port); rank 0 serves the rendezvous store on it, so no
+    other process can take the port between choosing and binding it."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if init_method.startswith("tcp://"):
+        # Every rank builds its store the same way (init_process_group prefixes the keys of a
+        # store it builds itself, not of one it is given, so the ranks must not mix the two).
+        host, _, port = init_method[len("tcp://"):].rpartition(":")
+        store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=timeout,
+                              wait_for_workers=False,
+                              master_listen_fd=listen_fd if rank == 0 else None)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        return
+    if listen_fd is not None:
+        raise ValueError("listen_fd needs a tcp://host:port init_method")
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
 
 

@@ -44,6 +44,10 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.distributed_listen_fd = distributed_listen_fd  # rank 0: the rendezvous socket
         self.device = resolve_device(config, rank)
+        if self.device.type == "cuda" and world_size > torch.cuda.device_count():
+            # Two ranks on one GPU would only fail later, inside NCCL, with a vaguer message.
+            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} CUDA devices; "
+                             f"this process sees {torch.cuda.device_count()}")
 
     def initialize(self) -> ResolvedEngineInfo:
         from tidal.worker.loader import load_model, resolve_dtype

@@ -2,15 +2,24 @@
 
 Started as `python -m tidal.worker.worker_proc` with JSON arguments (no pickle anywhere). It
 receives each step's SchedulerOutput on its own socket, runs it, and rank 0 sends the
-ModelRunnerOutput back; any rank reports its own failure on the same result socket. It exits
-when the core dies (parent-death signal plus a parent poll) or on a SHUTDOWN message.
+ModelRunnerOutput back; any rank reports its own failure on the same result socket (flagged
+when it was raised inside a collective, i.e. most likely a peer's failure seen from here).
+
+Lifetime: PR_SET_PDEATHSIG(SIGKILL) ends the process when the core dies, even while it is
+blocked inside a gloo/NCCL collective (the executor forks workers from a thread that lives as
+long as they should, see protocol/process.py); a parent-pid poll covers the window before the
+prctl and other platforms. SIGINT is ignored: the core owns shutdown (SHUTDOWN message, then
+SIGTERM/SIGKILL).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 
 import zmq
@@ -24,29 +33,87 @@ logger = logging.getLogger("tidal.worker")
 
 STEP, SHUTDOWN = WorkerFrame.STEP, WorkerFrame.SHUTDOWN
 READY, OUTPUT, FAILED = WorkerFrame.READY, WorkerFrame.OUTPUT, WorkerFrame.FAILED
+IN_COLLECTIVE = b"c"  # optional frame 3 of FAILED/WHERE: raised in / blocked in torch.distributed
+WHERE = b"W"  # rank -> core, answering a probe: [WHERE, rank, busy step (0: idle), stack, flag]
 
 _POLL_MS = 500
+# TEST ONLY: "RANK:STEP" makes that rank raise when it receives its STEP-th step (1-based);
+# "RANK:STEP:hang" makes it stop answering instead. Read here and nowhere else.
+TEST_FAIL_ENV = "TIDAL_TEST_FAIL_AT_STEP"
+
+
+def _test_fault(rank: int) -> tuple[int, bool] | None:
+    spec = os.environ.get(TEST_FAIL_ENV)
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if int(parts[0]) != rank:
+        return None
+    return int(parts[1]), len(parts) > 2 and parts[2] == "hang"
+
+
+def _in_collective(frames: list[traceback.FrameSummary]) -> bool:
+    return any(os.path.join("torch", "distributed") in f.filename for f in frames)
+
+
+def _where(frames: list[traceback.FrameSummary]) -> str:
+    """Innermost frame first: "file.py:12 fn <- caller.py:34 caller"."""
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+
+
+class _State:
+    busy_step = 0  # the step this rank is executing; 0 while it waits for one
+
+
+def _start_probe_thread(probe_address: str, result_address: str, rank: int) -> None:
+    """Answer the core's "where are you?" (sent when a step times out) from a thread of our
+    own: the main thread may be stuck, in a collective (which releases the GIL) or elsewhere.
+    Own context, never torn down (the process ends with os._exit)."""
+    main_ident = threading.main_thread().ident
+    ctx = zmq.Context()
+
+    def run() -> None:
+        probe = ctx.socket(zmq.PULL)
+        probe.connect(probe_address)
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(result_address)
+        while True:
+            probe.recv()
+            frame = sys._current_frames().get(main_ident)  # noqa: SLF001 - a stack snapshot
+            stack = traceback.extract_stack(frame) if frame is not None else []
+            out.send_multipart([WHERE, str(rank).encode(), str(_State.busy_step).encode(),
+                                _where(stack[-4:]).encode(), IN_COLLECTIVE if _in_collective(stack) else b""])
+
+    threading.Thread(target=run, name="tidal-worker-probe", daemon=True).start()
 
 
 def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: str,
-               step_address: str, result_address: str) -> int:
-    parent = exit_with_parent()
+               step_address: str, result_address: str, probe_address: str,
+               listen_fd: int | None = None) -> int:
+    parent = exit_with_parent(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _start_probe_thread(probe_address, result_address, rank)
     ctx = zmq.Context()
     steps = ctx.socket(zmq.PULL)
     steps.setsockopt(zmq.LINGER, 0)
     steps.connect(step_address)
     results = ctx.socket(zmq.PUSH)
-    results.setsockopt(zmq.LINGER, 2000)
+    results.setsockopt(zmq.LINGER, 2000)  # a FAILED report must get out before we exit
     results.connect(result_address)
     me = str(rank).encode()
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(SchedulerOutput)
+    fault = _test_fault(rank)
     worker = None
     try:
         from tidal.worker.worker import Worker
 
-        worker = Worker(config, rank, world_size, init_method)
+        t0 = time.perf_counter()
+        worker = Worker(config, rank, world_size, init_method, listen_fd)
         info = worker.initialize()
+        logger.info("worker rank %d ready in %.2fs", rank, time.perf_counter() - t0)
         results.send_multipart([READY, me, *encoder.encode(info)])
+        num_steps = 0
         while True:
             if not steps.poll(_POLL_MS):
                 if not parent.alive():
@@ -55,43 +122,60 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
             frames = steps.recv_multipart(copy=False)
             kind = frames[0].bytes
             if kind == SHUTDOWN:
+                worker.shutdown()
                 return 0
             if kind != STEP:
                 logger.warning("worker %d: dropping unknown message kind %r", rank, kind)
                 continue
-            out = worker.execute_model(decoder.decode([f.buffer for f in frames[1:]]))
+            num_steps += 1
+            _State.busy_step = num_steps
+            scheduler_output = decoder.decode([f.buffer for f in frames[1:]])
+            if fault is not None and fault[0] == num_steps:
+                if fault[1]:
+                    while True:
+                        time.sleep(3600)
+                raise RuntimeError(f"injected failure at step {num_steps} ({TEST_FAIL_ENV})")
+            out = worker.execute_model(scheduler_output)
             if out is not None:
                 results.send_multipart([OUTPUT, me, *encoder.encode(out)], copy=False)
+            _State.busy_step = 0
     except BaseException as e:  # noqa: BLE001 - every failure must reach the core, named
-        tb = traceback.format_exc(limit=8)
-        logger.error("worker rank %d failed: %s", rank, tb)
+        logger.error("worker rank %d failed", rank, exc_info=True)
+        stack = traceback.extract_tb(e.__traceback__)
+        frames = [FAILED, me, f"{type(e).__name__}: {e} (at {_where(stack[-3:])})".encode(errors="replace")]
+        if _in_collective(stack):
+            frames.append(IN_COLLECTIVE)
         try:
-            results.send_multipart([FAILED, me, f"{type(e).__name__}: {e}\n{tb}".encode()])
+            results.send_multipart(frames)
         except zmq.ZMQError:
             pass
+        # No process-group teardown: it may wait on a dead peer.
         return 1
     finally:
-        if worker is not None:
-            try:
-                worker.shutdown()
-            except Exception:  # noqa: BLE001 - already exiting
-                pass
-        ctx.destroy(linger=2000)
+        ctx.destroy(linger=2000)  # flushes a FAILED report
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="tidal tensor-parallel worker (started by the engine core)")
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--init-method", required=True)
+    ap.add_argument("--listen-fd", type=int, default=None, help="rank 0: bound rendezvous socket")
     ap.add_argument("--step-address", required=True)
     ap.add_argument("--result-address", required=True)
+    ap.add_argument("--probe-address", required=True)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"),
-                        format=f"%(asctime)s rank{a.rank} %(levelname)s %(name)s: %(message)s")
-    sys.exit(run_worker(EngineConfig.from_json(a.config_json), a.rank, a.world_size,
-                        a.init_method, a.step_address, a.result_address))
+    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING").upper(),
+                        format=f"%(asctime)s %(levelname)s [worker rank{a.rank} %(process)d] %(name)s: %(message)s")
+    code = run_worker(EngineConfig.from_json(a.config_json), a.rank, a.world_size, a.init_method,
+                      a.step_address, a.result_address, a.probe_address, a.listen_fd)
+    # Skip interpreter teardown (torch/gloo destructors, the probe thread): nothing is left to
+    # flush but the standard streams, and a failed rank must not wait on a dead peer.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
