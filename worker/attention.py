@@ -44,11 +44,12 @@ class DecodeGroup:
     num: int
     token_start: int  # their tokens are [token_start, token_start + num) when token_indices is None
     token_indices: torch.Tensor | None
-    max_len: int
-    # [num * max_len] flat slots; positions past a sequence's end repeat its position 0 (a
-    # written slot, so never uninitialized memory) and are masked out.
-    kv_slots: torch.Tensor
-    mask: torch.Tensor | None  # [num, 1, 1, max_len] bool; None when all lengths are equal
+    gather_len: int  # blocks gathered per sequence x block_size (>= the longest context)
+    # [num * blocks_per_seq] cache block ids, gathered whole: copying 16-token rows is ~2x faster
+    # than gathering single slots. Entries past a sequence's own blocks repeat its first block (a
+    # written block, so never uninitialized memory) and are masked out.
+    kv_blocks: torch.Tensor
+    mask: torch.Tensor | None  # [num, 1, 1, gather_len] bool; None when every position is valid
 
     @classmethod
     def build(
@@ -65,16 +66,18 @@ class DecodeGroup:
         contiguous = token_idx == list(range(start, start + len(seqs)))
         indices = None if contiguous else torch.tensor(token_idx, dtype=torch.long, device=device)
         lens_list = [seq_lens[i] for i in seqs]
-        max_len = max(lens_list)
+        num_blocks = -(-max(lens_list) // block_size)
+        gather_len = num_blocks * block_size
         lens = torch.tensor(lens_list, dtype=torch.long, device=device)
         rows = torch.tensor(seqs, dtype=torch.long, device=device)
-        pos = torch.arange(max_len, device=device)
-        valid = pos[None, :] < lens[:, None]
-        pos = torch.where(valid, pos[None, :], 0)
-        blocks = block_tables.index_select(0, rows).gather(1, pos // block_size)
-        slots = (blocks * block_size + pos % block_size).reshape(-1)
-        mask = valid[:, None, None, :] if min(lens_list) != max_len else None
-        return cls(len(seqs), start, indices, max_len, slots, mask)
+        table = block_tables.index_select(0, rows)[:, :num_blocks]
+        owned = torch.arange(num_blocks, device=device)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+        table = torch.where(owned, table, table[:, :1])
+        mask = None
+        if min(lens_list) != gather_len:
+            valid = torch.arange(gather_len, device=device)[None, :] < lens[:, None]
+            mask = valid[:, None, None, :]
+        return cls(len(seqs), start, indices, gather_len, table.reshape(-1), mask)
 
 
 @dataclass
@@ -230,10 +233,10 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
 
         for group in metadata.decode_groups:
-            n, max_len, idx = group.num, group.max_len, group.token_indices
+            n, length, idx = group.num, group.gather_len, group.token_indices
             q_dec = q[group.token_start : group.token_start + n] if idx is None else q.index_select(0, idx)
-            k_dec = flat_k.index_select(0, group.kv_slots).view(n, max_len, num_kv_heads, head_dim)
-            v_dec = flat_v.index_select(0, group.kv_slots).view(n, max_len, num_kv_heads, head_dim)
+            k_dec = k_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim)
+            v_dec = v_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim)
             o_dec = F.scaled_dot_product_attention(
                 q_dec.view(n, num_kv_heads, q_per_kv, head_dim),
                 k_dec.transpose(1, 2),
