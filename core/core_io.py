@@ -12,6 +12,12 @@ Threads and sockets (a ZMQ socket is only ever used by one thread):
   EHOSTUNREACH, which is how the core learns that a front-end disconnected (libzmq 4.3 without
   draft APIs has no ROUTER_NOTIFY). The busy loop then aborts that front-end's requests.
 * Garbage (too few frames, unknown request type, undecodable payload) is logged and dropped.
+* Back-pressure: `send()` blocks while _MAX_IN_FLIGHT messages are between the busy loop and the
+  ROUTER. A busy loop that never blocks (null runner, tiny batches) would otherwise hold the
+  GIL so that the helper threads get one socket call per GIL switch interval (5 ms): outputs
+  pile up unboundedly and reach front-ends seconds late, and so do their aborts. Blocking
+  hands the GIL over deterministically; with a real model the forward pass releases the GIL
+  and the helpers overlap it, as intended.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ InputItem = tuple[bytes, bytes, Any]  # (kind, front-end identity, decoded paylo
 
 _STOP = b""  # a one-frame message on the inproc pipe: flush and close
 _MAX_BURST = 256  # messages handled per socket per poll round, so neither side starves
+_MAX_IN_FLIGHT = 2  # step messages encoded or queued but not yet handed to the ROUTER
 # ZMTP heartbeats: libzmq drops a connection whose peer stopped answering pings (a vanished
 # host), which then surfaces as EHOSTUNREACH like any disconnect.
 _HEARTBEAT_IVL_MS = 2_000
@@ -78,18 +85,23 @@ class CoreIO:
             self._ctx.destroy(linger=0)
             raise
         self._out_q: "queue.SimpleQueue[tuple[bytes, EngineCoreOutputs] | None]" = queue.SimpleQueue()
+        self._in_flight = threading.Semaphore(_MAX_IN_FLIGHT)
         self._gone: set[bytes] = set()  # identities already reported GONE (IO thread only)
         self._num_garbage = 0
+        self._closed = False
         # Sockets were created here and are handed to their threads: Thread.start() is a full
         # memory barrier, which is what ZMQ requires to migrate a socket between threads.
         self._io_thread = threading.Thread(target=self._io_loop, name="tidal-core-io", daemon=True)
         self._out_thread = threading.Thread(target=self._output_loop, name="tidal-core-out", daemon=True)
         self._io_thread.start()
         self._out_thread.start()
-        self._closed = False
 
     # ---------------------------------------------------------------- busy-loop side
     def send(self, identity: bytes, outputs: EngineCoreOutputs) -> None:
+        """Queue one message for `identity`; blocks while the pipeline is full (see above)."""
+        while not self._in_flight.acquire(timeout=0.5):
+            if not self._io_thread.is_alive():
+                break  # nothing will free a slot; close() still delivers what it can
         self._out_q.put((identity, outputs))
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -117,6 +129,7 @@ class CoreIO:
                     bufs = encoder.encode(outputs)
                 except Exception:  # an unencodable object must not take the output path down
                     logger.exception("dropping an engine-core message that cannot be encoded")
+                    self._in_flight.release()  # its slot: it never reaches the IO thread
                     continue
                 push.send_multipart([identity, *bufs], copy=False)
         finally:
@@ -132,15 +145,17 @@ class CoreIO:
         try:
             while True:
                 ready = dict(poller.poll())
-                if pull in ready and self._forward_outputs(router, pull):
-                    return
+                # Inputs first: the busy loop may be blocked in send() right now, which leaves
+                # this thread the GIL until _forward_outputs frees a slot.
                 if router in ready:
                     for _ in range(_MAX_BURST):
                         try:
                             frames = router.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._handle_input(frames, decoders)
+                        self._handle_input(router, frames, decoders)
+                if pull in ready and self._forward_outputs(router, pull):
+                    return
         except Exception:
             # Only a programming error gets here; without this thread the core is deaf, so
             # tell the busy loop (it turns this into engine_dead for every front-end).
@@ -152,25 +167,31 @@ class CoreIO:
 
     def _forward_outputs(self, router: zmq.Socket, pull: zmq.Socket) -> bool:
         """Pass encoded outputs to their front-ends; True once the STOP marker arrived."""
-        for _ in range(_MAX_BURST):
-            try:
-                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return False
-            if len(frames) == 1:
-                return True
-            try:
-                router.send_multipart(frames, copy=False)
-            except zmq.ZMQError as e:
-                if e.errno != errno.EHOSTUNREACH:
-                    raise
-                identity = frames[0].bytes
-                if identity not in self._gone:
-                    self._gone.add(identity)
-                    self.input_queue.put((GONE, identity, None))
-        return False
+        done = 0
+        try:
+            for _ in range(_MAX_BURST):
+                try:
+                    frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return False
+                if len(frames) == 1:
+                    return True
+                done += 1
+                try:
+                    router.send_multipart(frames, copy=False)
+                except zmq.ZMQError as e:
+                    if e.errno != errno.EHOSTUNREACH:
+                        raise
+                    identity = frames[0].bytes
+                    if identity not in self._gone:
+                        self._gone.add(identity)
+                        self.input_queue.put((GONE, identity, None))
+            return False
+        finally:
+            if done:
+                self._in_flight.release(done)  # once per burst: one wake-up of the busy loop
 
-    def _handle_input(self, frames: list[bytes], decoders: "_Decoders") -> None:
+    def _handle_input(self, router: zmq.Socket, frames: list[bytes], decoders: "_Decoders") -> None:
         identity = frames[0]
         self._gone.discard(identity)  # it is (back) on the line
         if len(frames) < 3:
@@ -190,11 +211,12 @@ class CoreIO:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
             self._garbage(identity, f"undecodable {kind[:8]!r} payload ({e})")
             if kind == EngineCoreRequestType.ADD.value:
-                self._reject_malformed_add(identity, payload, str(e))
+                self._reject_malformed_add(router, identity, payload, str(e), decoders.encoder)
             return
         self.input_queue.put((kind, identity, item))
 
-    def _reject_malformed_add(self, identity: bytes, payload: Sequence[bytes], problem: str) -> None:
+    def _reject_malformed_add(self, router: zmq.Socket, identity: bytes, payload: Sequence[bytes],
+                              problem: str, encoder: MsgpackEncoder) -> None:
         """An ADD whose request id is still readable gets an ERROR output, so that its sender
         does not wait forever for a request the core never queued."""
         try:
@@ -204,7 +226,10 @@ class CoreIO:
         if isinstance(fields, list) and fields and isinstance(fields[0], str):
             out = EngineCoreOutput(fields[0], finish_reason=FinishReason.ERROR,
                                    error=f"malformed request: {problem}")
-            self.send(identity, EngineCoreOutputs(outputs=[out]))
+            try:  # this thread owns the ROUTER: answer directly, outside the busy loop's pipeline
+                router.send_multipart([identity, *encoder.encode(EngineCoreOutputs(outputs=[out]))])
+            except zmq.ZMQError:
+                pass  # it is gone already
 
     def _garbage(self, identity: bytes, what: str) -> None:
         self._num_garbage += 1
@@ -215,9 +240,11 @@ class CoreIO:
 
 
 class _Decoders:
-    """Typed decoders, one per request type (no pickle: only these schemas are accepted)."""
+    """Typed decoders, one per request type (no pickle: only these schemas are accepted), and
+    the IO thread's own encoder for its direct replies."""
 
     def __init__(self) -> None:
+        self.encoder = MsgpackEncoder()
         self.add = MsgpackDecoder(EngineCoreRequest)
         self.abort = MsgpackDecoder(list[str])
         self.utility = MsgpackDecoder(UtilityRequest)

@@ -6,23 +6,25 @@ both run `run_engine_core`. Front-ends connect DEALER sockets with unique identi
 go back to the identity that owns each request.
 
 Busy loop (main thread): block on the input queue only when there is no work (with a timeout,
-to check the parent and the executor's health), drain the queue, step, apply the aborts that
-arrived during the step, send that step's outputs. Handshake: a front-end's first call is the
+to check the executor's health), drain the queue, step, apply the aborts that arrived during the
+step, send that step's outputs. Handshake: a front-end's first call is the
 utility "hello", answered with the core's ResolvedEngineInfo; a core that fails to start answers
 it (and writes `--error-file`) with its error text. Death: an exception in the loop sends
 `engine_dead` to every front-end and exits non-zero; SIGTERM/SIGINT shut down cleanly; a spawned
-core exits when its parent dies (PR_SET_PDEATHSIG plus a parent-pid poll).
+core exits when its parent dies (PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread).
 """
 from __future__ import annotations
 
+import _thread
 import argparse
-import ctypes
+import gc
 import logging
 import os
 import queue
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -31,6 +33,7 @@ import msgspec
 
 from tidal.core.core_io import GONE, CoreIO, InputItem
 from tidal.protocol.config import EngineConfig
+from tidal.protocol.process import exit_with_parent
 from tidal.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -44,10 +47,10 @@ from tidal.protocol.messages import (
 logger = logging.getLogger("tidal.core.core_proc")
 
 HELLO = "hello"  # handshake utility method, answered by the process (not by EngineCore)
-_IDLE_POLL_S = 0.5  # longest block on the input queue before parent/health checks
-_CHECK_EVERY_S = 1.0  # parent check period while busy
+_IDLE_POLL_S = 0.5  # longest block on the input queue before a health check
+_PARENT_POLL_S = 0.5
+_PARENT_GONE_EXIT_S = 10.0  # a clean exit after the parent died may take this long, no more
 _ADD, _ABORT, _UTILITY = (t.value for t in EngineCoreRequestType)
-_PR_SET_PDEATHSIG = 1
 
 
 class _Shutdown(BaseException):
@@ -56,10 +59,11 @@ class _Shutdown(BaseException):
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, address: str, *, parent_pid: int | None = None,
-                 error_file: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, address: str, *, error_file: str | None = None,
+                 freeze_gc: bool = False) -> None:
+        """freeze_gc: gc.freeze() once the engine is up (only when this process is the core)."""
         self.config = config
-        self.parent_pid = parent_pid
+        self.freeze_gc = freeze_gc
         self.error_file = error_file
         self.input_queue: "queue.SimpleQueue[InputItem]" = queue.SimpleQueue()
         self.engine: Any = None  # EngineCore once started
@@ -67,6 +71,7 @@ class EngineCoreProc:
         self._num_owned: dict[bytes, int] = {}  # identity -> its unfinished requests
         self._clients: set[bytes] = set()  # every identity that ever said hello or sent a request
         self._shutting_down = False
+        self._owners_changed = False  # a front-end left during this iteration: regroup outputs
         self.io = CoreIO(address, self.input_queue)  # bind first: a bad address fails at once
 
     # ------------------------------------------------------------------ lifecycle
@@ -83,6 +88,12 @@ class EngineCoreProc:
             logger.exception("engine core failed to start")
             self._fail_start(f"{type(e).__name__}: {e}")
             return 1
+        # Everything allocated so far (torch, the model, the block pool) lives as long as the
+        # process: keep it out of every future GC pass, which would otherwise walk it again and
+        # again and cost the busy loop milliseconds per step (vLLM's core does the same).
+        if self.freeze_gc:
+            gc.collect()
+            gc.freeze()
         logger.info("engine core ready at %s: %s", self.io.address, self.engine.info)
         code, dead_msg = 0, "engine core shut down"
         try:
@@ -114,37 +125,27 @@ class EngineCoreProc:
             except queue.Empty:
                 break
             if kind == _UTILITY:
-                self._reply(identity, item.call_id, None, f"engine core failed to start: {error}")
+                self._reply(identity, item.call_id, None, error)
         self.io.close()
-
-    def check_parent(self) -> None:
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
-            raise _Shutdown("parent process died")
 
     # ------------------------------------------------------------------ busy loop
     def _busy_loop(self) -> None:
         engine, in_q = self.engine, self.input_queue
-        next_check = time.monotonic() + _CHECK_EVERY_S
         while True:
             extra: dict[bytes, list[EngineCoreOutput]] = {}
+            aborted: set[str] = set()
             if not engine.has_unfinished_requests():
                 try:
                     item = in_q.get(timeout=_IDLE_POLL_S)
                 except queue.Empty:
-                    self.check_parent()
                     engine.check_health()
                     continue
-                self._handle(item, extra, set())
-            aborted: set[str] = set()
+                self._handle(item, extra, aborted)
             self._drain(extra, aborted)
             step = engine.step() if engine.has_unfinished_requests() else EngineCoreOutputs()
             # Aborts (and adds) that arrived during the step are applied before it is sent.
             self._drain(extra, aborted)
             self._send_step(step, extra, aborted)
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _CHECK_EVERY_S
-                self.check_parent()
 
     def _drain(self, extra: dict[bytes, list[EngineCoreOutput]], aborted: set[str]) -> None:
         in_q = self.input_queue
@@ -178,6 +179,7 @@ class EngineCoreProc:
                     self._release(out.request_id)
                 for rid in mine:  # requests the engine no longer knew
                     self._release(rid)
+                self._owners_changed = True  # this step's outputs for them go nowhere
             self._clients.discard(identity)
         else:
             raise RuntimeError(str(payload))  # the IO thread died
@@ -243,7 +245,8 @@ class EngineCoreProc:
         if not outputs and not any(extra.values()):
             return
         owners = self._num_owned
-        if len(owners) == 1 and (not extra or extra.keys() == owners.keys()):
+        regroup, self._owners_changed = self._owners_changed, False
+        if not regroup and len(owners) == 1 and (not extra or extra.keys() == owners.keys()):
             # One front-end (the common case): the step goes out as is, without regrouping.
             (identity,) = owners
             if extra:
@@ -253,9 +256,9 @@ class EngineCoreProc:
             groups: dict[bytes, list[EngineCoreOutput]] = {}
             owner_of = self._owner
             for o in outputs:
-                identity = owner_of.get(o.request_id)
-                if identity is not None:
-                    groups.setdefault(identity, []).append(o)
+                owner = owner_of.get(o.request_id)
+                if owner is not None:  # None: its front-end left during this step
+                    groups.setdefault(owner, []).append(o)
             for identity, outs in extra.items():
                 groups.setdefault(identity, []).extend(outs)
             for identity, outs in groups.items():
@@ -276,14 +279,20 @@ def _summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {e} (at {where})" if where else f"{type(e).__name__}: {e}"
 
 
-def _set_pdeathsig(sig: int) -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid poll")
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the front-end process is gone: PR_SET_PDEATHSIG (as SIGUSR1, see the handler)
+    for immediacy, plus this thread's parent-pid poll, which also covers a main thread stuck
+    in a long C call (it releases the GIL) and escalates to os._exit if a clean exit stalls."""
+
+    def run() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        _thread.interrupt_main(signal.SIGTERM)  # the clean path first
+        time.sleep(_PARENT_GONE_EXIT_S)
+        os._exit(1)
+
+    threading.Thread(target=run, name="tidal-core-parent-watch", daemon=True).start()
+    exit_with_parent(signal.SIGUSR1)
 
 
 def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: int | None) -> None:
@@ -303,18 +312,16 @@ def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: 
     signal.signal(signal.SIGINT, on_stop)
     if parent_pid is not None:
         signal.signal(signal.SIGUSR1, on_parent_signal)
-        _set_pdeathsig(signal.SIGUSR1)
+        _watch_parent(parent_pid)
 
 
 def run_engine_core(config: EngineConfig, address: str, *, parent_pid: int | None = None,
                     error_file: str | None = None) -> int:
     """Serve `config` at `address` in this process until stopped; returns the exit code."""
     proc_ref: list[EngineCoreProc | None] = [None]
-    _install_signal_handlers(proc_ref, parent_pid)
     try:
-        if parent_pid is not None and os.getppid() != parent_pid:
-            return 0  # the parent died before PDEATHSIG was armed
-        proc_ref[0] = proc = EngineCoreProc(config, address, parent_pid=parent_pid, error_file=error_file)
+        _install_signal_handlers(proc_ref, parent_pid)  # exits at once if the parent is gone
+        proc_ref[0] = proc = EngineCoreProc(config, address, error_file=error_file, freeze_gc=True)
         return proc.run()
     except _Shutdown:
         return 0

@@ -1,0 +1,133 @@
+"""`tidal` command line: generate | core | make-model.
+
+    tidal generate [--model DIR] [--prompt TEXT] [--max-tokens N] [--temperature T] [--seed S] [engine args]
+    tidal core MODEL [--address tcp://127.0.0.1:PORT | ipc:///path] [engine args]
+    tidal make-model DIR [--arch qwen3|llama|qwen2|mistral] [--hidden-size ...] ...
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from tidal.frontend.engine_args import add_engine_args, config_from_args
+
+DEFAULT_CORE_ADDRESS = "tcp://127.0.0.1:5570"
+DEFAULT_PROMPT = "Hello, my name is"
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from tidal.frontend.async_llm import AsyncLLM
+    from tidal.protocol import RequestOutputKind, SamplingParams
+
+    model = args.model
+    if model is None:
+        from tidal.worker.make_model import ensure_default_model
+
+        model = ensure_default_model()
+        print(f"note: no --model given, so this uses tidal's embedded default model ({model}). "
+              "Its weights are random: the text below is gibberish.", file=sys.stderr, flush=True)
+    config = config_from_args(args, model=model, core_address=args.core_address,
+                              **({"seed": args.seed} if args.seed is not None else {}))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, ignore_eos=args.ignore_eos,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def run() -> None:
+        async with AsyncLLM.from_config(config) as engine:
+            async for out in engine.generate("cli", args.prompt, params):
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    _run_loop(run())
+    return 0
+
+
+def _run_loop(coro: "asyncio.Future[None] | object") -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _cmd_core(args: argparse.Namespace) -> int:
+    from tidal.core.core_proc import run_engine_core
+    from tidal.protocol.zmq_utils import validate_address
+
+    address = validate_address(args.address)
+    config = config_from_args(args, model=args.model)
+    logging.getLogger("tidal").setLevel(logging.INFO)
+    print(f"tidal engine core: loading {args.model}; will serve at {address}", file=sys.stderr, flush=True)
+    return run_engine_core(config, address)
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from tidal.worker.make_model import make_model
+
+    kwargs = {k: getattr(args, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                                              "num_kv_heads", "head_dim", "intermediate_size",
+                                              "max_position_embeddings", "seed", "dtype")
+              if getattr(args, k) is not None}
+    path = make_model(args.dir, args.arch, **kwargs)
+    print(os.path.abspath(path))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidal", description="tidal LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion to stdout")
+    gen.add_argument("--model", default=None, help="HF model dir (default: the embedded random model)")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None, help="sampling (and engine) seed")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--core-address", default=None, help="use a running `tidal core` at this address")
+    add_engine_args(gen, exclude=frozenset({"seed"}))
+    gen.set_defaults(func=_cmd_generate)
+
+    core = sub.add_parser("core", help="run a headless engine core that front-ends connect to")
+    core.add_argument("model")
+    core.add_argument("--address", default=DEFAULT_CORE_ADDRESS,
+                      help="tcp://HOST:PORT (an explicit interface, never a wildcard) or ipc:///path")
+    add_engine_args(core)
+    core.set_defaults(func=_cmd_core)
+
+    mk = sub.add_parser("make-model", help="write a tiny random HF checkpoint + tokenizer")
+    mk.add_argument("dir")
+    mk.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen2", "mistral"])
+    for flag, typ in (("--vocab-size", int), ("--hidden-size", int), ("--num-layers", int),
+                      ("--num-heads", int), ("--num-kv-heads", int), ("--head-dim", int),
+                      ("--intermediate-size", int), ("--max-position-embeddings", int),
+                      ("--seed", int)):
+        mk.add_argument(flag, type=typ, default=None)
+    mk.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    mk.set_defaults(func=_cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # a one-line message; the traceback with TIDAL_LOG_LEVEL=DEBUG
+        logging.getLogger("tidal.cli").debug("failed", exc_info=True)
+        print(f"tidal {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

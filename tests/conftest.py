@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny models made on the machine (never the user's ~/.cache/tidal), and
+helpers for the process tests (engine-core children, ipc directories)."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Iterator
+
+import psutil
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tidal_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A session-wide TIDAL_CACHE_DIR (trained tokenizers, the default model) for subprocesses
+    and make_model calls: pass it explicitly, it is not put in os.environ."""
+    return str(tmp_path_factory.mktemp("tidal-cache"))
+
+
+def _make(out_dir: str, cache_dir: str, **kwargs: object) -> str:
+    from tidal.worker.make_model import make_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDAL_CACHE_DIR", cache_dir)
+        return make_model(out_dir, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> str:
+    """A tiny Qwen3 checkpoint with a 512-token byte-level BPE tokenizer (made in ~2 s). Real
+    enough for text tests; with model_runner="null" only its config and tokenizer are used."""
+    return _make(str(tmp_path_factory.mktemp("tiny-qwen3")), tidal_cache_dir, arch="qwen3",
+                 vocab_size=512, hidden_size=64, num_layers=2, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> str:
+    """Like tiny_model_dir but with max_position_embeddings=65536: null-runner requests long
+    enough to still be running when a test aborts, cancels or kills something."""
+    return _make(str(tmp_path_factory.mktemp("tiny-long")), tidal_cache_dir, arch="qwen3",
+                 vocab_size=512, hidden_size=32, num_layers=1, max_position_embeddings=65536)
+
+
+def core_children() -> list[psutil.Process]:
+    """This test process's engine-core children that are still alive."""
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "tidal.core.core_proc" in " ".join(p.cmdline()):
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def no_leaked_cores() -> Iterator[None]:
+    """Fails the test if it leaves an engine-core process behind."""
+    before = {p.pid for p in core_children()}
+    yield
+    left = [p for p in core_children() if p.pid not in before]
+    for p in left:
+        p.kill()
+    assert not left, f"engine-core processes left running: {[p.pid for p in left]}"
+
+
+def ipc_dir_of(address: str) -> str:
+    assert address.startswith("ipc://"), address
+    return os.path.dirname(address[len("ipc://"):])

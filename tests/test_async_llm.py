@@ -1,0 +1,300 @@
+"""AsyncLLM end to end with a real engine-core process (vLLM's tests/v1/engine/test_async_llm.py
+style): load, cancellation, abort, text consistency, stop strings, core death.
+
+The null model runner (one token per request per step, no torch) is used wherever the model
+does not matter; the tiny real model where text does.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from typing import Any, AsyncGenerator
+
+import pytest
+
+from tidal.frontend import AsyncLLM
+from tidal.protocol import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+
+try:
+    from conftest import core_children, ipc_dir_of
+except ImportError:  # tests/ made a package
+    from tests.conftest import core_children, ipc_dir_of  # type: ignore[no-redef]
+
+DELTA, FINAL, CUM = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE
+LONG = 60_000  # tokens: still running when a test acts on it (it never waits for the end)
+
+
+@pytest.fixture(scope="module")
+def engine(long_model_dir: str) -> Any:
+    # Used by several tests, each in its own event loop: AsyncLLM follows the running loop.
+    llm = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=65536, num_kv_blocks=80_000,
+                   max_num_seqs=256, max_num_batched_tokens=4096)
+    yield llm
+    llm.shutdown()
+
+
+async def collect(engine: AsyncLLM, rid: str, prompt: Any, params: SamplingParams) -> list[RequestOutput]:
+    return [out async for out in engine.generate(rid, prompt, params)]
+
+
+def assert_one_finish(outs: list[RequestOutput]) -> None:
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+
+
+async def wait_idle(engine: AsyncLLM, timeout_s: float = 5.0) -> Any:
+    """Core stats once nothing runs and every KV block is free again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await engine.get_stats()
+        idle = stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+        if idle and stats.num_free_blocks == stats.num_total_blocks or time.monotonic() > deadline:
+            return stats
+
+
+async def assert_clean(engine: AsyncLLM) -> None:
+    assert engine.get_num_unfinished_requests() == 0
+    assert not engine.output_processor.parent_requests and not engine._running
+    stats = await wait_idle(engine)
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+async def test_load_100_concurrent(engine: AsyncLLM) -> None:
+    rng = random.Random(0)
+    specs = []
+    for i in range(100):
+        n = 3 if i % 10 == 0 else 1
+        specs.append((f"load-{i}", rng.randint(1, 120), rng.choice([DELTA, FINAL, CUM]), n))
+
+    async def run(rid: str, max_tokens: int, kind: RequestOutputKind, n: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=kind, n=n)
+        outs = await collect(engine, rid, "Hello there", params)
+        assert_one_finish(outs)
+        assert all(o.request_id == rid for o in outs)
+        if kind == FINAL:
+            assert len(outs) == 1
+        per_index = [0] * n
+        for o in outs:
+            for c in o.outputs:
+                if kind == DELTA:
+                    per_index[c.index] += len(c.token_ids)
+                else:
+                    per_index[c.index] = len(c.token_ids)
+        assert per_index == [max_tokens] * n, (rid, kind, per_index)
+        assert sum(per_index) == n * max_tokens
+        assert all(c.finish_reason == "length" for c in outs[-1].outputs) or n > 1
+
+    await asyncio.gather(*(run(*s) for s in specs))
+    await assert_clean(engine)
+
+
+async def test_cancel_some_tasks(engine: AsyncLLM) -> None:
+    started = {i: asyncio.Event() for i in range(20)}
+
+    async def run(i: int, max_tokens: int) -> int:
+        n = 0
+        async for out in engine.generate(f"cancel-{i}", "abc", SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, output_kind=DELTA)):
+            n += len(out.outputs[0].token_ids)
+            started[i].set()
+        return n
+
+    lengths = [LONG if i % 2 == 0 else 50 + i for i in range(20)]
+    tasks = [asyncio.create_task(run(i, lengths[i])) for i in range(20)]
+    await asyncio.gather(*(started[i].wait() for i in range(0, 20, 2)))
+    for i in range(0, 20, 2):
+        tasks[i].cancel()
+    for i, task in enumerate(tasks):
+        if i % 2 == 0:
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            assert await task == lengths[i]
+    # A cancelled id is reusable at once and gets its full output.
+    outs = await collect(engine, "cancel-0", "abc", SamplingParams(max_tokens=77, ignore_eos=True, output_kind=DELTA))
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 77
+    await assert_clean(engine)
+
+
+async def test_break_out_of_async_for(engine: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=LONG, ignore_eos=True, output_kind=DELTA)
+    gen: AsyncGenerator[RequestOutput, None] = engine.generate("brk", "abc", params)
+    seen = 0
+    async for _ in gen:
+        seen += 1
+        if seen == 3:
+            break
+    await gen.aclose()  # what the loop's async-generator finalizer does once `gen` is dropped
+    assert engine.get_num_unfinished_requests() == 0
+    outs = await collect(engine, "brk", "abc", SamplingParams(max_tokens=40, ignore_eos=True))
+    assert len(outs[-1].outputs[0].token_ids) == 40
+    await assert_clean(engine)
+
+
+async def test_break_without_aclose_aborts(engine: AsyncLLM) -> None:
+    async def consume_some() -> None:
+        async for out in engine.generate("drop", "abc", SamplingParams(max_tokens=LONG, ignore_eos=True)):
+            if len(out.outputs[0].token_ids) >= 2:
+                break  # the generator is dropped here; the loop's finalizer closes it
+
+    await consume_some()
+    for _ in range(100):
+        if engine.get_num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.01)
+    await assert_clean(engine)
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUM])
+async def test_abort_ends_streams_normally(engine: AsyncLLM, kind: RequestOutputKind) -> None:
+    ids = [f"abort-{kind.name}-{i}" for i in range(6)]
+    first = {rid: asyncio.Event() for rid in ids}
+
+    lengths = {rid: LONG if i < 4 else 300 for i, rid in enumerate(ids)}
+
+    async def run(rid: str) -> list[RequestOutput]:
+        outs = []
+        params = SamplingParams(max_tokens=lengths[rid], ignore_eos=True, output_kind=kind)
+        async for out in engine.generate(rid, "abc", params):
+            outs.append(out)
+            first[rid].set()
+        return outs
+
+    tasks = [asyncio.create_task(run(rid)) for rid in ids]
+    await asyncio.gather(*(e.wait() for e in first.values()))
+    await engine.abort(ids[:4])
+    await engine.abort("not-a-running-request")  # ignored
+    results = await asyncio.gather(*tasks)
+    for rid, outs in zip(ids, results, strict=True):
+        assert_one_finish(outs)
+        last = outs[-1].outputs[0]
+        n = sum(len(o.outputs[0].token_ids) for o in outs) if kind == DELTA else len(last.token_ids)
+        if rid in ids[:4]:
+            assert last.finish_reason == "abort" and 0 < n < LONG
+        else:
+            assert last.finish_reason == "length" and n == 300
+    await assert_clean(engine)
+
+
+async def test_running_id_is_rejected_and_bad_input_raises_first(engine: AsyncLLM) -> None:
+    gen = engine.generate("dup", "abc", SamplingParams(max_tokens=LONG, ignore_eos=True))
+    await gen.__anext__()
+    with pytest.raises(ValueError, match="already running"):
+        await collect(engine, "dup", "abc", SamplingParams(max_tokens=4))
+    await gen.aclose()
+    for prompt, params in [("", SamplingParams()), ({"prompt_token_ids": [10**6]}, SamplingParams()),
+                           ("abc", SamplingParams(max_tokens=70_000)), (123, SamplingParams())]:
+        with pytest.raises(ValueError):
+            await collect(engine, "bad", prompt, params)
+    with pytest.raises(TypeError):
+        AsyncLLM(model="x", no_such_engine_arg=1)
+    await assert_clean(engine)
+
+
+def test_uvloop_and_default_loop_in_turn(engine: AsyncLLM) -> None:
+    """One engine, driven from uvloop and then from the default loop (the handler follows)."""
+    import uvloop
+
+    async def run(tag: str) -> int:
+        outs = await asyncio.gather(*(collect(engine, f"{tag}-{i}", "abc", SamplingParams(
+            max_tokens=30, ignore_eos=True, output_kind=DELTA)) for i in range(8)))
+        return sum(len(o.outputs[0].token_ids) for stream in outs for o in stream)
+
+    assert uvloop.run(run("uv")) == 240
+    assert asyncio.run(run("aio")) == 240
+    assert uvloop.run(run("uv2")) == 240
+
+
+# ------------------------------------------------------------------ real model: text
+
+
+@pytest.fixture(scope="module")
+def real_engine(tiny_model_dir: str) -> Any:
+    llm = AsyncLLM(model=tiny_model_dir, num_kv_blocks=256, max_model_len=512)
+    yield llm
+    llm.shutdown()
+
+
+PROMPTS = ["Hello 😀 world 🦊🎉", "日本語のテキスト、中文文本。", "def f(x):\n    return x  # ünïcödé"]
+
+
+async def test_text_consistency_byte_level(real_engine: AsyncLLM) -> None:
+    tok = await real_engine.get_tokenizer()
+    for i, prompt in enumerate(PROMPTS):
+        params = dict(max_tokens=48, temperature=1.0, seed=100 + i, ignore_eos=True)
+        delta = await collect(real_engine, f"d{i}", prompt, SamplingParams(**params, output_kind=DELTA))
+        final = await collect(real_engine, f"f{i}", prompt, SamplingParams(**params, output_kind=FINAL))
+        delta_text = "".join(o.outputs[0].text for o in delta)
+        ids = [t for o in delta for t in o.outputs[0].token_ids]
+        assert len(final) == 1 and final[0].outputs[0].token_ids == ids  # seeded: same tokens
+        assert delta_text == final[0].outputs[0].text == tok.decode(ids, skip_special_tokens=True)
+        assert delta[0].prompt == prompt
+
+
+async def test_stop_string_never_streamed(real_engine: AsyncLLM) -> None:
+    base = dict(max_tokens=64, temperature=1.0, seed=7, ignore_eos=True)
+    full = (await collect(real_engine, "s0", PROMPTS[0], SamplingParams(**base, output_kind=FINAL)))[0]
+    text = full.outputs[0].text
+    assert len(text) > 20
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text.index(stop)
+    outs = await collect(real_engine, "s1", PROMPTS[0], SamplingParams(**base, stop=[stop], output_kind=DELTA))
+    streamed = "".join(o.outputs[0].text for o in outs)
+    assert stop not in streamed and streamed == text[:cut]
+    assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].outputs[0].stop_reason == stop
+    assert_one_finish(outs)
+    assert real_engine.get_num_unfinished_requests() == 0
+    stats = await wait_idle(real_engine)
+    assert stats.num_running_reqs == 0  # the front-end aborted it in the core
+
+
+# ------------------------------------------------------------------------- death
+
+
+async def test_sigkill_core_fails_every_stream(long_model_dir: str) -> None:
+    engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=65536, max_num_seqs=8)
+    pid = engine.engine_core.process.pid
+    ipc_dir = ipc_dir_of(engine.engine_core.address)
+    assert os.path.isdir(ipc_dir)
+    running = [asyncio.Event() for _ in range(4)]
+
+    async def stream(i: int) -> None:
+        async for _ in engine.generate(f"k{i}", "abc", SamplingParams(max_tokens=60000, ignore_eos=True, output_kind=DELTA)):
+            running[i].set()
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running)), 30)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    for task in tasks:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(task, 5)
+    assert time.monotonic() - t0 < 5
+    assert engine.errored
+    with pytest.raises(EngineDeadError):  # and every later call, at once
+        await collect(engine, "later", "abc", SamplingParams(max_tokens=2))
+    with pytest.raises(EngineDeadError):
+        await engine.abort("k0")
+    engine.shutdown()
+    assert not [p for p in core_children() if p.pid == pid]
+    assert not os.path.exists(ipc_dir)
+
+
+def test_dropped_engine_stops_its_core(long_model_dir: str) -> None:
+    """No shutdown() call: garbage collection of the engine stops the core and removes its dir."""
+    import gc
+
+    engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=2048)
+    pid, ipc_dir = engine.engine_core.process.pid, ipc_dir_of(engine.engine_core.address)
+
+    async def one() -> None:
+        await collect(engine, "x", "abc", SamplingParams(max_tokens=3))
+
+    asyncio.run(one())
+    del engine
+    gc.collect()
+    assert pid not in {p.pid for p in core_children()}
+    assert not os.path.exists(ipc_dir)
