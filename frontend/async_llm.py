@@ -109,10 +109,13 @@ class AsyncLLM:
         self._check_alive()
 
     # ---------------------------------------------------------------- generate
-    async def generate(self, request_id: str, prompt: str | dict,
-                       sampling_params: SamplingParams | None = None,
+    async def generate(self, prompt: str | dict, sampling_params: SamplingParams | None,
+                       request_id: str, *,
                        arrival_time: float | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Stream `RequestOutput`s for one request (kinds and errors: see DESIGN.md)."""
+        """Stream `RequestOutput`s for one request (kinds and errors: see DESIGN.md).
+
+        Arguments in vLLM's order (prompt, sampling_params, request_id), so positional calls
+        written for vLLM's AsyncLLM keep working; keywords work too."""
         self._check_alive()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")

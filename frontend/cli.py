@@ -37,7 +37,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with AsyncLLM.from_config(config) as engine:
-            async for out in engine.generate("cli", args.prompt, params):
+            async for out in engine.generate(args.prompt, params, "cli"):
                 sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()
         sys.stdout.write("\n")

@@ -80,7 +80,7 @@ async def _async_round(engine: AsyncLLM, streams: int, max_tokens: int, tag: str
 
     async def consume(i: int) -> int:
         n = 0
-        async for out in engine.generate(f"{tag}-{i}", PROMPT, params):
+        async for out in engine.generate(PROMPT, params, f"{tag}-{i}"):
             n += len(out.outputs[0].token_ids)
         return n
 

@@ -37,7 +37,7 @@ def engine(long_model_dir: str) -> Any:
 
 
 async def collect(engine: AsyncLLM, rid: str, prompt: Any, params: SamplingParams) -> list[RequestOutput]:
-    return [out async for out in engine.generate(rid, prompt, params)]
+    return [out async for out in engine.generate(prompt, params, rid)]
 
 
 def assert_one_finish(outs: list[RequestOutput]) -> None:
@@ -96,8 +96,8 @@ async def test_cancel_some_tasks(engine: AsyncLLM) -> None:
 
     async def run(i: int, max_tokens: int) -> int:
         n = 0
-        async for out in engine.generate(f"cancel-{i}", "abc", SamplingParams(
-                max_tokens=max_tokens, ignore_eos=True, output_kind=DELTA)):
+        async for out in engine.generate("abc", SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, output_kind=DELTA), f"cancel-{i}"):
             n += len(out.outputs[0].token_ids)
             started[i].set()
         return n
@@ -121,7 +121,7 @@ async def test_cancel_some_tasks(engine: AsyncLLM) -> None:
 
 async def test_break_out_of_async_for(engine: AsyncLLM) -> None:
     params = SamplingParams(max_tokens=LONG, ignore_eos=True, output_kind=DELTA)
-    gen: AsyncGenerator[RequestOutput, None] = engine.generate("brk", "abc", params)
+    gen: AsyncGenerator[RequestOutput, None] = engine.generate("abc", params, "brk")
     seen = 0
     async for _ in gen:
         seen += 1
@@ -136,7 +136,7 @@ async def test_break_out_of_async_for(engine: AsyncLLM) -> None:
 
 async def test_break_without_aclose_aborts(engine: AsyncLLM) -> None:
     async def consume_some() -> None:
-        async for out in engine.generate("drop", "abc", SamplingParams(max_tokens=LONG, ignore_eos=True)):
+        async for out in engine.generate("abc", SamplingParams(max_tokens=LONG, ignore_eos=True), "drop"):
             if len(out.outputs[0].token_ids) >= 2:
                 break  # the generator is dropped here; the loop's finalizer closes it
 
@@ -158,7 +158,7 @@ async def test_abort_ends_streams_normally(engine: AsyncLLM, kind: RequestOutput
     async def run(rid: str) -> list[RequestOutput]:
         outs = []
         params = SamplingParams(max_tokens=lengths[rid], ignore_eos=True, output_kind=kind)
-        async for out in engine.generate(rid, "abc", params):
+        async for out in engine.generate("abc", params, rid):
             outs.append(out)
             first[rid].set()
         return outs
@@ -180,7 +180,7 @@ async def test_abort_ends_streams_normally(engine: AsyncLLM, kind: RequestOutput
 
 
 async def test_running_id_is_rejected_and_bad_input_raises_first(engine: AsyncLLM) -> None:
-    gen = engine.generate("dup", "abc", SamplingParams(max_tokens=LONG, ignore_eos=True))
+    gen = engine.generate("abc", SamplingParams(max_tokens=LONG, ignore_eos=True), "dup")
     await gen.__anext__()
     with pytest.raises(ValueError, match="already running"):
         await collect(engine, "dup", "abc", SamplingParams(max_tokens=4))
@@ -262,7 +262,7 @@ async def test_sigkill_core_fails_every_stream(long_model_dir: str) -> None:
     running = [asyncio.Event() for _ in range(4)]
 
     async def stream(i: int) -> None:
-        async for _ in engine.generate(f"k{i}", "abc", SamplingParams(max_tokens=60000, ignore_eos=True, output_kind=DELTA)):
+        async for _ in engine.generate("abc", SamplingParams(max_tokens=60000, ignore_eos=True, output_kind=DELTA), f"k{i}"):
             running[i].set()
 
     tasks = [asyncio.create_task(stream(i)) for i in range(4)]

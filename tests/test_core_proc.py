@@ -34,8 +34,8 @@ ADD, ABORT, UTILITY = (t.value for t in EngineCoreRequestType)
 
 async def generate_all(engine: AsyncLLM, rid: str, max_tokens: int) -> list[int]:
     ids: list[int] = []
-    async for out in engine.generate(rid, "abc", SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)):
+    async for out in engine.generate("abc", SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA), rid):
         ids += out.outputs[0].token_ids
     return ids
 
@@ -77,7 +77,7 @@ _FRONT_END = textwrap.dedent("""
         engine = AsyncLLM(model=sys.argv[1], core_address=sys.argv[2], engine_start_timeout_s=60)
         seen = set()
         async def run(i):
-            async for _ in engine.generate(f"fe1-{i}", "abc", SamplingParams(max_tokens=60000, ignore_eos=True)):
+            async for _ in engine.generate("abc", SamplingParams(max_tokens=60000, ignore_eos=True), f"fe1-{i}"):
                 seen.add(i)
                 if len(seen) == 4:
                     print("STREAMING", flush=True)
@@ -112,7 +112,7 @@ async def test_headless_core_front_ends_come_and_go(headless_core: tuple[str, su
     # Front-end 3: leaves politely while a request runs (shutdown aborts it in the core).
     engine = AsyncLLM(model=long_model_dir, core_address=address, engine_start_timeout_s=60)
     try:
-        gen = engine.generate("fe3", "abc", SamplingParams(max_tokens=60000, ignore_eos=True))
+        gen = engine.generate("abc", SamplingParams(max_tokens=60000, ignore_eos=True), "fe3")
         await gen.__anext__()
     finally:
         engine.shutdown()
@@ -176,7 +176,7 @@ async def test_request_rejected_by_core_fails_alone(long_model_dir: str, no_leak
         engine.input_processor.vocab_size = 10**6
         good = [asyncio.create_task(generate_all(engine, f"good-{i}", 200)) for i in range(4)]
         with pytest.raises(EngineGenerateError, match=r"token ids must be in \[0, 512\)"):
-            async for _ in engine.generate("bad", {"prompt_token_ids": [1, 2, 999_999]}, SamplingParams()):
+            async for _ in engine.generate({"prompt_token_ids": [1, 2, 999_999]}, SamplingParams(), "bad"):
                 pass
         assert [len(ids) for ids in await asyncio.gather(*good)] == [200] * 4
         assert not engine.errored
@@ -230,7 +230,7 @@ async def test_sigterm_is_a_clean_shutdown(long_model_dir: str) -> None:
     proc = engine.engine_core.process
     ipc_dir = ipc_dir_of(engine.engine_core.address)
     try:
-        gen = engine.generate("t", "abc", SamplingParams(max_tokens=60000, ignore_eos=True))
+        gen = engine.generate("abc", SamplingParams(max_tokens=60000, ignore_eos=True), "t")
         await gen.__anext__()
         proc.proc.send_signal(signal.SIGTERM)
         with pytest.raises(Exception, match="shut down"):  # EngineDeadError with the core's reason

@@ -455,7 +455,7 @@ def test_async_llm_killed_rank_fails_every_stream(model_dirs: dict[str, str]) ->
             async def stream(i: int) -> BaseException | None:
                 params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
                 try:
-                    async for _ in engine.generate(f"s{i}", {"prompt_token_ids": PROMPTS[i][:10]}, params):
+                    async for _ in engine.generate({"prompt_token_ids": PROMPTS[i][:10]}, params, f"s{i}"):
                         counts[i] += 1
                         if all(counts):
                             started.set()
