@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tidal.protocol.config import EngineConfig
+from tidal.protocol.config import EngineConfig, check_model_architecture
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -16,6 +16,10 @@ def load_tokenizer(config: EngineConfig) -> Any:
     # relative path is a local directory, and a clear message beats the hub's validation error.
     if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
         raise ValueError(f"model directory {path!r} does not exist")
+    if os.path.isdir(config.model):
+        # Both front-ends load the tokenizer before starting a core: an unsupported model fails
+        # here, as a ValueError, without a process started for nothing.
+        check_model_architecture(config.model)
     if os.path.isdir(path) and not any(
             os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                             "tokenizer.model", "vocab.json")):

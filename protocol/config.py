@@ -5,12 +5,17 @@ It travels to the engine core and workers as JSON (msgspec), never pickled.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# config.json "architectures" tidal implements (tidal.worker.models.registry maps them to
+# classes); kept here, torch-free, so a front-end rejects a model before starting any process.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
 
 
@@ -88,6 +93,19 @@ class EngineConfig:
     @classmethod
     def from_json(cls, data: bytes | str) -> "EngineConfig":
         return msgspec.json.decode(data, type=cls)
+
+
+def check_model_architecture(model: str) -> None:
+    """ValueError naming the supported architectures when a local checkpoint's config.json
+    declares none of them (a missing directory or config.json is reported by its loader)."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        archs = json.load(f).get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"unsupported model architecture(s) {archs or '(none in config.json)'} in "
+                         f"{model!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,21 @@ def test_dead_core_raises_and_shutdown_cleans_up(long_model_dir: str, no_leaked_
     engine.shutdown()
     assert proc.pid not in {p.pid for p in core_children()}
     del engine  # __del__ after shutdown is harmless
+
+
+def test_unknown_model_dir_or_architecture_is_a_value_error(tmp_path: Any, long_model_dir: str,
+                                                            no_leaked_cores: None) -> None:
+    import json
+    import shutil
+
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=str(tmp_path / "missing"))
+    bad = tmp_path / "gpt2ish"
+    shutil.copytree(long_model_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    # Rejected in the front-end, naming what is supported, before any core process starts.
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(model=str(bad))

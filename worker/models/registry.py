@@ -6,6 +6,8 @@ from typing import Any
 
 from torch import nn
 
+from tidal.protocol.config import SUPPORTED_ARCHITECTURES
+
 from tidal.worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -19,6 +21,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+
+
+assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
