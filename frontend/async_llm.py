@@ -21,9 +21,8 @@ import weakref
 from typing import Any, AsyncGenerator, Iterable
 
 from tidal.frontend.core_client import AsyncMPClient
-from tidal.frontend.input_processor import InputProcessor
-from tidal.frontend.output_processor import OutputProcessor, ParentRequest, RequestOutputCollector
-from tidal.frontend.tokenizer_utils import load_tokenizer
+from tidal.frontend.output_processor import ParentRequest, RequestOutputCollector
+from tidal.frontend.tokenizer_utils import start_front_end
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.errors import EngineDeadError, EngineGenerateError
 from tidal.protocol.messages import SchedulerStats
@@ -58,18 +57,12 @@ class AsyncLLM:
         self._handler: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        # The core starts (model loading) while this process loads the tokenizer.
-        self.engine_core = AsyncMPClient(config)
-        try:
-            self.tokenizer: Any = load_tokenizer(config)
-            self.info: ResolvedEngineInfo = self.engine_core.wait_ready()
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
-        self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
-            max_logprobs=config.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        parts = start_front_end(config, AsyncMPClient)
+        self.engine_core = parts.client
+        self.tokenizer: Any = parts.tokenizer
+        self.info: ResolvedEngineInfo = parts.info
+        self.input_processor = parts.input_processor
+        self.output_processor = parts.output_processor
         self._running: dict[str, str] = {}  # user request id -> internal id
         self._tag = uuid.uuid4().hex[:8]
         self._ids = itertools.count()

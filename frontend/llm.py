@@ -15,9 +15,8 @@ import time
 from typing import Any, Sequence
 
 from tidal.frontend.core_client import InprocClient, SyncMPClient
-from tidal.frontend.input_processor import InputProcessor
-from tidal.frontend.output_processor import OutputProcessor, ParentRequest
-from tidal.frontend.tokenizer_utils import load_tokenizer
+from tidal.frontend.output_processor import ParentRequest
+from tidal.frontend.tokenizer_utils import start_front_end
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.errors import EngineGenerateError
 from tidal.protocol.messages import EngineCoreRequest, SchedulerStats
@@ -43,21 +42,13 @@ class LLM:
         elif not multiprocessing and config.core_address is not None:
             raise ValueError("core_address needs multiprocessing: the core is another process")
         self.config = config
-        self._client: InprocClient | SyncMPClient
-        if multiprocessing:
-            self._client = SyncMPClient(config)  # the core loads while the tokenizer does
-        else:
-            self._client = InprocClient(config)
-        try:
-            self.tokenizer: Any = load_tokenizer(config)
-            self.info = self._client.wait_ready()
-        except BaseException:
-            self._client.shutdown()
-            raise
-        self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
-            max_logprobs=config.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        client_cls: type[InprocClient] | type[SyncMPClient] = SyncMPClient if multiprocessing else InprocClient
+        parts = start_front_end(config, client_cls)
+        self._client: InprocClient | SyncMPClient = parts.client
+        self.tokenizer: Any = parts.tokenizer
+        self.info = parts.info
+        self.input_processor = parts.input_processor
+        self.output_processor = parts.output_processor
         self._ids = itertools.count()
         self._closed = False
 

@@ -1,10 +1,49 @@
-"""Loading the front-end's tokenizer (only the front-end touches text)."""
+"""Starting a front-end: its tokenizer (only the front-end touches text) and its core client."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from tidal.protocol.config import EngineConfig, check_model_architecture
+from tidal.frontend.input_processor import InputProcessor
+from tidal.frontend.output_processor import OutputProcessor
+from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
+
+
+class _CoreClient(Protocol):
+    def wait_ready(self) -> ResolvedEngineInfo: ...
+
+    def shutdown(self) -> None: ...
+
+
+C = TypeVar("C", bound=_CoreClient)
+
+
+@dataclass
+class FrontEndParts(Generic[C]):
+    client: C
+    tokenizer: Any
+    info: ResolvedEngineInfo
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+
+
+def start_front_end(config: EngineConfig, make_client: Callable[[EngineConfig], C]) -> FrontEndParts[C]:
+    """What `LLM` and `AsyncLLM` share: check the model (a ValueError before any process
+    starts), start the core client (the core loads its model while this process loads the
+    tokenizer), wait for the core's limits, and build the input/output processors on them."""
+    if config.model and os.path.isdir(config.model):
+        check_model_architecture(config.model)
+    client = make_client(config)
+    try:
+        tokenizer = load_tokenizer(config)
+        info = client.wait_ready()
+    except BaseException:
+        client.shutdown()
+        raise
+    inputs = InputProcessor(tokenizer, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                            max_logprobs=config.max_logprobs)
+    return FrontEndParts(client, tokenizer, info, inputs, OutputProcessor(tokenizer))
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -16,10 +55,6 @@ def load_tokenizer(config: EngineConfig) -> Any:
     # relative path is a local directory, and a clear message beats the hub's validation error.
     if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
         raise ValueError(f"model directory {path!r} does not exist")
-    if os.path.isdir(config.model):
-        # Both front-ends load the tokenizer before starting a core: an unsupported model fails
-        # here, as a ValueError, without a process started for nothing.
-        check_model_architecture(config.model)
     if os.path.isdir(path) and not any(
             os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                             "tokenizer.model", "vocab.json")):

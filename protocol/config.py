@@ -97,15 +97,16 @@ class EngineConfig:
 
 def check_model_architecture(model: str) -> None:
     """ValueError naming the supported architectures when a local checkpoint's config.json
-    declares none of them (a missing directory or config.json is reported by its loader)."""
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
+    declares only others. Anything else wrong with the checkpoint (no config.json, no
+    "architectures", unreadable JSON) is left to the loader, whose error names it."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            archs = json.load(f).get("architectures")
+    except (OSError, ValueError, AttributeError):
         return
-    with open(path) as f:
-        archs = json.load(f).get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported model architecture(s) {archs or '(none in config.json)'} in "
-                         f"{model!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"unsupported model architecture(s) {archs} in {model!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 @dataclass(frozen=True)
