@@ -48,12 +48,13 @@ class EngineCore:
         self._prompt_lp_done: dict[str, int] = {}
         self.forward_time_s = 0.0
         self.step_time_s = 0.0
+        self.num_steps = 0
         self._utilities: dict[str, Callable[..., Any]] = {
             "get_stats": lambda: self.scheduler.make_stats(),
             "reset_prefix_cache": self.scheduler.reset_prefix_cache,
             "get_info": lambda: self.info,
             "num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
-            "get_timing": lambda: (self.step_time_s, self.forward_time_s),
+            "get_timing": lambda: (self.step_time_s, self.forward_time_s, self.num_steps),
             "ping": lambda: "pong",
         }
 
@@ -121,6 +122,7 @@ class EngineCore:
                 if out.finish_reason is not None:
                     self._prompt_lp_done.pop(out.request_id, None)
         self.step_time_s += time.perf_counter() - t0
+        self.num_steps += 1
         stats = None if self.config.disable_log_stats else self.scheduler.make_stats()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
 

@@ -41,15 +41,15 @@ def run_tidal(model: str, prompts: list[list[int]], outputs: list[int], tp: int)
               max_num_batched_tokens=4096, max_model_len=1024, seed=0)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2], use_tqdm=False)  # warm-up
-    step0, fwd0 = llm.llm_engine.call_utility("get_timing")  # cumulative (step s, forward s)
+    step0, fwd0, n0 = llm.llm_engine.call_utility("get_timing")  # cumulative (step s, forward s, steps)
     t0 = time.perf_counter()
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    step1, fwd1 = llm.llm_engine.call_utility("get_timing")
+    step1, fwd1, n1 = llm.llm_engine.call_utility("get_timing")
     got = sum(len(r.outputs[0].token_ids) for r in results)
     assert got == sum(outputs), (got, sum(outputs))
     llm.shutdown()
-    return elapsed, {"step_s": step1 - step0, "forward_s": fwd1 - fwd0}
+    return elapsed, {"step_s": step1 - step0, "forward_s": fwd1 - fwd0, "steps": n1 - n0}
 
 
 def run_hf(model: str, prompts: list[list[int]], outputs: list[int]) -> float:
@@ -99,6 +99,10 @@ def main() -> None:
               f"(forward {timing['forward_s']:.2f} s, engine steps {timing['step_s']:.2f} s; "
               f"scheduling/inputs/sampling {1 - timing['forward_s'] / timing['step_s']:.1%} of step "
               f"time, front-end + IPC + idle {1 - timing['step_s'] / t_tidal:.1%} of wall)")
+        per_step = (timing["step_s"] - timing["forward_s"]) / max(timing["steps"], 1)
+        print(f"  {timing['steps']} engine steps; per step outside the forward (schedule, inputs, "
+              f"sampling, and with tp > 1 the broadcast to the ranks and rank 0's reply): "
+              f"{per_step * 1e3:.2f} ms")
         if not args.skip_hf:
             t_hf = run_hf(model, prompts, outputs)
             hf_tps = useful / t_hf
