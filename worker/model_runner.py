@@ -20,6 +20,11 @@ from tidal.worker.attention import Attention, AttentionMetadata, set_forward_con
 from tidal.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 
 
+def _reads_outputs(sp: SamplingParams) -> bool:
+    return bool(sp.min_tokens or sp.presence_penalty or sp.frequency_penalty
+                or sp.repetition_penalty != 1.0)
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -152,10 +157,15 @@ class ModelRunner:
 
     def _sample(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         states = [self.requests[batch.req_ids[i]] for i in batch.sample_rows]
+        # Token histories are copied only for rows whose sampling reads them (penalties,
+        # min_tokens): the copy grows with the sequence and would run every step for every row.
+        empty: list[int] = []
         md = SamplingMetadata.build(
             params=[st.sampling_params for st in states],
-            prompt_token_ids=[st.token_ids[: st.num_prompt_tokens] for st in states],
-            output_token_ids=[st.token_ids[st.num_prompt_tokens:] for st in states],
+            prompt_token_ids=[st.token_ids[: st.num_prompt_tokens]
+                              if st.sampling_params.repetition_penalty != 1.0 else empty for st in states],
+            output_token_ids=[st.token_ids[st.num_prompt_tokens:] if _reads_outputs(st.sampling_params)
+                              else empty for st in states],
             positions=[len(st.token_ids) for st in states],
             eos_token_ids=[st.eos_token_id for st in states],
             vocab_size=self.vocab_size, device=logits.device)
