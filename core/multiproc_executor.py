@@ -45,8 +45,7 @@ _DEATH_GRACE_S = 0.3
 _GRACEFUL_EXIT_S = 3.0  # SHUTDOWN -> exit; then SIGTERM, then SIGKILL
 STEP, SHUTDOWN = WorkerFrame.STEP, WorkerFrame.SHUTDOWN
 READY, OUTPUT, FAILED = WorkerFrame.READY, WorkerFrame.OUTPUT, WorkerFrame.FAILED
-IN_COLLECTIVE = b"c"  # see worker_proc
-WHERE = b"W"  # see worker_proc: a rank's answer to a probe
+IN_COLLECTIVE, WHERE = WorkerFrame.IN_COLLECTIVE, WorkerFrame.WHERE
 _PROBE_WAIT_S = 2.0  # how long a timed-out step waits for the ranks to say where they are
 _STARTUP, _IDLE = "start-up", "idle"
 

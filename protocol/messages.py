@@ -130,6 +130,8 @@ class WorkerFrame:
     READY = b"R"  # worker -> core: an encoded ResolvedEngineInfo follows
     OUTPUT = b"O"  # rank 0 -> core: an encoded ModelRunnerOutput follows
     FAILED = b"F"  # any rank -> core: utf-8 text naming the cause
+    WHERE = b"W"  # rank -> core, answering a probe: [WHERE, rank, busy step (0: idle), stack, flag]
+    IN_COLLECTIVE = b"c"  # optional last frame of FAILED/WHERE: raised in / blocked in torch.distributed
 
 
 class NewRequestData(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]

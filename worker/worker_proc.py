@@ -33,8 +33,7 @@ logger = logging.getLogger("tidal.worker")
 
 STEP, SHUTDOWN = WorkerFrame.STEP, WorkerFrame.SHUTDOWN
 READY, OUTPUT, FAILED = WorkerFrame.READY, WorkerFrame.OUTPUT, WorkerFrame.FAILED
-IN_COLLECTIVE = b"c"  # optional frame 3 of FAILED/WHERE: raised in / blocked in torch.distributed
-WHERE = b"W"  # rank -> core, answering a probe: [WHERE, rank, busy step (0: idle), stack, flag]
+IN_COLLECTIVE, WHERE = WorkerFrame.IN_COLLECTIVE, WorkerFrame.WHERE
 
 _POLL_MS = 500
 # TEST ONLY: "RANK:STEP" makes that rank raise when it receives its STEP-th step (1-based);
