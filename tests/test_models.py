@@ -6,12 +6,13 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
 
 from tidal.worker import attention
+from tidal.worker.cpu_kernels import cpu_kernels
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
 from tidal.worker.loader import load_model, resolve_dtype
 from tidal.worker.make_model import make_model
@@ -159,13 +160,28 @@ def test_prefill_logits_match(models: dict[str, Loaded], name: str) -> None:
     torch.testing.assert_close(plain, hf_logits(m.hf, a), atol=ATOL, rtol=0)
 
 
+@pytest.fixture
+def torch_ops_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run the torch twins of the CPU kernels (what GPUs and other dtypes run)."""
+    monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
+    cpu_kernels.cache_clear()
+    yield
+    cpu_kernels.cache_clear()
+
+
 @pytest.mark.parametrize(
-    "name,gather_limit", [(n, None) for n in CONFIGS] + [("qwen3-untied", 40), ("llama3-scaled", 1)]
+    "name,gather_limit,kernels",
+    [(n, None, True) for n in CONFIGS]
+    + [(n, None, False) for n in CONFIGS]
+    + [("qwen3-untied", 40, False), ("llama3-scaled", 1, False)],
 )
 def test_incremental_and_mixed_batch(
-    models: dict[str, Loaded], name: str, gather_limit: int | None, monkeypatch: pytest.MonkeyPatch
+    models: dict[str, Loaded], name: str, gather_limit: int | None, kernels: bool,
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
 ) -> None:
-    if gather_limit is not None:  # force several decode groups per step
+    if not kernels:
+        request.getfixturevalue("torch_ops_only")
+    if gather_limit is not None:  # force several decode groups per step (torch backend)
         monkeypatch.setattr(attention, "DECODE_GATHER_MAX_TOKENS", gather_limit)
     m = models[name]
     seqs = {s: rand_tokens(n, m.vocab_size, 10 + s) for s, n in ((0, 30), (1, 20), (2, 12))}

@@ -8,6 +8,8 @@ gather, masks) is computed once in `AttentionMetadata.build`, not once per layer
 
 from __future__ import annotations
 
+import functools
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,8 +93,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     block_size: int
     # ---- derived by build() ----
-    num_decodes: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_seqs: list[int] = field(default_factory=list)  # batch indices with query_len == 1
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Tokens whose slot is >= 0 (negative slots mark padding tokens that must not be cached);
     # None when every token is written.
@@ -101,6 +102,10 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_seqs)
 
     @classmethod
     def build(
@@ -116,23 +121,8 @@ class AttentionMetadata:
         if len(query_start_loc) != num_seqs + 1:
             raise ValueError("query_start_loc must have len(seq_lens) + 1 entries")
         query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
-        decodes = [i for i in range(num_seqs) if query_lens[i] == 1]
         meta = cls(slot_mapping, list(query_start_loc), list(seq_lens), block_tables, block_size)
-        meta.num_decodes = len(decodes)
-
-        # Decodes in batch order, cut into groups whose padded gather stays bounded.
-        group: list[int] = []
-        group_max = 0
-        for i in decodes:
-            new_max = max(group_max, seq_lens[i])
-            if group and new_max * (len(group) + 1) > DECODE_GATHER_MAX_TOKENS:
-                meta.decode_groups.append(DecodeGroup.build(group, query_start_loc, seq_lens, block_tables, block_size))
-                group, new_max = [], seq_lens[i]
-            group.append(i)
-            group_max = new_max
-        if group:
-            meta.decode_groups.append(DecodeGroup.build(group, query_start_loc, seq_lens, block_tables, block_size))
-
+        meta.decode_seqs = [i for i in range(num_seqs) if query_lens[i] == 1]
         for i in range(num_seqs):
             q_len = query_lens[i]
             if q_len <= 1:
@@ -152,6 +142,50 @@ class AttentionMetadata:
         if slot_mapping.numel() and bool((slot_mapping < 0).any()):
             meta.write_token_indices = torch.nonzero(slot_mapping >= 0).flatten()
         return meta
+
+    # Per-backend views of the decodes, built on first use and shared by every layer of the step.
+    @functools.cached_property
+    def decode_groups(self) -> list[DecodeGroup]:
+        """Decodes in batch order, cut into groups whose padded gather stays bounded."""
+        groups: list[DecodeGroup] = []
+        group: list[int] = []
+        group_max = 0
+        args = (self.query_start_loc, self.seq_lens, self.block_tables, self.block_size)
+        for i in self.decode_seqs:
+            new_max = max(group_max, self.seq_lens[i])
+            if group and new_max * (len(group) + 1) > DECODE_GATHER_MAX_TOKENS:
+                groups.append(DecodeGroup.build(group, *args))
+                group, new_max = [], self.seq_lens[i]
+            group.append(i)
+            group_max = new_max
+        if group:
+            groups.append(DecodeGroup.build(group, *args))
+        return groups
+
+    @functools.cached_property
+    def paged_decode(self) -> "PagedDecodeBatch":
+        return PagedDecodeBatch.build(self)
+
+
+@dataclass
+class PagedDecodeBatch:
+    """The decodes as a kernel reading the paged cache directly wants them (contiguous int64)."""
+
+    rows: torch.Tensor  # [n] token index of each decode in the flat batch
+    seq_lens: torch.Tensor  # [n] context length including the token being decoded
+    block_tables: torch.Tensor  # [n, max_blocks]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "PagedDecodeBatch":
+        seqs = meta.decode_seqs
+        device = meta.block_tables.device
+        rows = torch.tensor([meta.query_start_loc[i] for i in seqs], dtype=torch.long, device=device)
+        lens = torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.long, device=device)
+        if len(seqs) == meta.block_tables.shape[0]:
+            tables = meta.block_tables
+        else:
+            tables = meta.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=device))
+        return cls(rows, lens, tables.to(torch.long).contiguous())
 
 
 _forward_context: AttentionMetadata | None = None
@@ -179,15 +213,25 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Plain causal attention over one sequence: q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    return _sdpa_one_sequence(q, k, v, scale, mask=None)
+
+
+def _sdpa_one_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q [T, H, D] over k/v [S, KVH, D] -> [T, H, D]; causal when mask is None, else mask
+    [T, S] (True = may attend). Inputs go in as 4-D: for 3-D ones CPU SDPA takes its math path,
+    measured 1.5x slower than the flash kernel it picks for 4-D."""
     groups = q.shape[1] // k.shape[1]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        _expand_kv(k.transpose(0, 1), groups),
-        _expand_kv(v.transpose(0, 1), groups),
-        is_causal=True,
+        q.transpose(0, 1).unsqueeze(0),
+        _expand_kv(k.transpose(0, 1), groups).unsqueeze(0),
+        _expand_kv(v.transpose(0, 1), groups).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class AttentionBackend(ABC):
@@ -227,11 +271,27 @@ class TorchAttentionBackend(AttentionBackend):
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         self._write_cache(k, v, flat_k, flat_v, metadata)
+        out = q.new_empty(q.shape)
+        if metadata.decode_seqs:
+            out = self._decode(q, k_cache, v_cache, metadata, scale, out)
+        for span in metadata.prefills:
+            self._prefill(q, k, v, flat_k, flat_v, span, scale, out)
+        return out
 
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of every decode token; fills its rows of out and returns out (or, for a
+        pure-decode batch, may return a new tensor instead)."""
         num_tokens, num_heads = q.shape[0], q.shape[1]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q_per_kv = num_heads // num_kv_heads
-        out = torch.empty_like(q)
-
         for group in metadata.decode_groups:
             n, length, idx = group.num, group.gather_len, group.token_indices
             q_dec = q[group.token_start : group.token_start + n] if idx is None else q.index_select(0, idx)
@@ -250,25 +310,26 @@ class TorchAttentionBackend(AttentionBackend):
                 out[group.token_start : group.token_start + n] = o_dec
             else:
                 out.index_copy_(0, idx, o_dec)
-
-        for span in metadata.prefills:
-            s, e = span.q_start, span.q_end
-            q_i = q[s:e].transpose(0, 1)  # [H, q_len, D]
-            if span.kv_slots is None:
-                k_i, v_i = k[s:e], v[s:e]
-            else:
-                k_i = flat_k.index_select(0, span.kv_slots)
-                v_i = flat_v.index_select(0, span.kv_slots)
-            o_i = F.scaled_dot_product_attention(
-                q_i,
-                _expand_kv(k_i.transpose(0, 1), q_per_kv),
-                _expand_kv(v_i.transpose(0, 1), q_per_kv),
-                attn_mask=span.mask,
-                is_causal=span.mask is None,
-                scale=scale,
-            )
-            out[s:e] = o_i.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        span: PrefillSpan,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        s, e = span.q_start, span.q_end
+        if span.kv_slots is None:
+            k_i, v_i = k[s:e], v[s:e]
+        else:
+            k_i = flat_k.index_select(0, span.kv_slots)
+            v_i = flat_v.index_select(0, span.kv_slots)
+        out[s:e] = _sdpa_one_sequence(q[s:e], k_i, v_i, scale, span.mask)
 
     @staticmethod
     def _write_cache(
@@ -284,6 +345,20 @@ class TorchAttentionBackend(AttentionBackend):
             slots, k, v = slots.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
         flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
         flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+
+
+@functools.cache
+def default_attention_backend() -> AttentionBackend:
+    """TIDAL_ATTENTION_BACKEND=torch forces the reference backend; the default ("auto") uses the
+    CPU kernel backend, which itself runs the torch path for whatever the kernel does not cover."""
+    choice = os.environ.get("TIDAL_ATTENTION_BACKEND", "auto")
+    if choice == "torch":
+        return TorchAttentionBackend()
+    if choice != "auto":
+        raise ValueError(f"TIDAL_ATTENTION_BACKEND={choice!r}: expected 'auto' or 'torch'")
+    from tidal.worker.attention_cpu import CpuAttentionBackend  # imports this module
+
+    return CpuAttentionBackend()
 
 
 class Attention(nn.Module):
@@ -309,7 +384,7 @@ class Attention(nn.Module):
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         self.layer_idx = layer_idx
-        self.backend: AttentionBackend = backend or TorchAttentionBackend()
+        self.backend: AttentionBackend = backend or default_attention_backend()
         self.k_cache: torch.Tensor = torch.empty(0)
         self.v_cache: torch.Tensor = torch.empty(0)
 

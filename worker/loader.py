@@ -153,4 +153,8 @@ def load_model(
     else:
         model.load_weights(iterate_safetensors(files))  # type: ignore[operator]
     model.requires_grad_(False)
+    for module in model.modules():  # e.g. linear layers re-lay their weights for the CPU GEMM
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     return model.eval()

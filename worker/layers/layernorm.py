@@ -1,9 +1,16 @@
-"""RMSNorm with an optional fused residual add (vLLM convention)."""
+"""RMSNorm with an optional fused residual add (vLLM convention).
+
+On CPU in float32 both forms run as one C kernel (csrc/elementwise.c) instead of ~7 torch ops;
+the residual form then works in place, like vLLM's fused_add_rms_norm: the caller's `x` and
+`residual` tensors become the returned (normed, residual) pair and must not be reused.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +32,29 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if is_f32_cpu(x, self.weight) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return self._forward_kernel(x, residual)
         if residual is None:
             return self._norm(x)
         # The add happens in the model dtype, exactly like HF's `residual + hidden_states`.
         residual = x + residual
         return self._norm(residual), residual
+
+    def _forward_kernel(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        lib = cpu_kernels()
+        assert lib is not None
+        dim = x.shape[-1]
+        rows = x.numel() // dim if dim else 0
+        if residual is None:
+            out = torch.empty_like(x)
+            lib.tidal_rms_norm_f32(ptr(x), dim, ptr(out), ptr(self.weight), self.variance_epsilon, rows, dim)
+            return out
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+        lib.tidal_fused_add_rms_norm_f32(ptr(x), ptr(residual), ptr(self.weight), self.variance_epsilon, rows, dim)
+        return x, residual
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.worker.layers.gemm import PackedWeight, onednn_gemm_enabled
 from tidal.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -93,6 +94,7 @@ class LinearBase(nn.Module):
         self.tp_size = get_tp_size()
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.has_bias = bias
+        self.packed_weight: PackedWeight | None = None
 
     def _make_params(self, out_features: int, in_features: int, bias: bool) -> None:
         # torch.empty: the loader (or dummy init) fills every element.
@@ -107,6 +109,19 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
         raise NotImplementedError
 
+    def process_weights_after_loading(self) -> None:
+        """Called once all weights are loaded: move the weight into the fastest GEMM's layout.
+        The dense Parameter is dropped (set to None) when packed, so weights are held once."""
+        if self.packed_weight is None and onednn_gemm_enabled(self.weight):
+            self.packed_weight = PackedWeight(self.weight)
+            self.weight = None  # type: ignore[assignment]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias) on this rank's shard."""
+        if self.packed_weight is not None:
+            return self.packed_weight.linear(x, bias)
+        return F.linear(x, self.weight, bias)
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, tp_size={self.tp_size}"
 
@@ -120,7 +135,7 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -146,7 +161,7 @@ class ColumnParallelLinear(LinearBase):
         copy_checked(param.data, shard, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         if self.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y, dim=-1)
         return y
@@ -274,10 +289,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         if not self.input_is_parallel:
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

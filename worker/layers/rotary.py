@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
+
 
 def rope_params_from_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) from either the transformers>=5 `rope_parameters`
@@ -94,6 +96,35 @@ class RotaryEmbedding(nn.Module):
         q = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin).view_as(query)
         k = self._rotate(key.view(num_tokens, -1, self.head_size), cos, sin).view_as(key)
         return q, k
+
+    def forward_qkv_inplace(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> bool:
+        """On CPU in float32: per-head RMSNorm of q and k (when weights are given, Qwen3) then
+        RoPE, in place on the fused qkv projection output [T, (Hq + 2 Hkv) * D], in one C pass.
+        Returns False, touching nothing, when the kernel does not apply (the caller then runs
+        the torch ops)."""
+        weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
+        if not (is_f32_cpu(qkv, self.cos_cache, *weights) and qkv.dim() == 2 and qkv.stride(1) == 1):
+            return False
+        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else positions.long().contiguous()
+        lib = cpu_kernels()
+        assert lib is not None
+        rc = lib.tidal_qk_norm_rope_f32(
+            ptr(qkv), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, self.head_size,
+            ptr(q_norm_weight) if q_norm_weight is not None else None,
+            ptr(k_norm_weight) if k_norm_weight is not None else None,
+            eps, ptr(pos), ptr(self.cos_cache), ptr(self.sin_cache), self.max_position)
+        if rc != 0:
+            raise IndexError(f"rotary embedding: a position is outside [0, {self.max_position})")
+        return True
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, max_position={self.max_position}, base={self.base}, type={self.rope_type}"

@@ -77,6 +77,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
+        q_w = self.q_norm.weight if self.qk_norm else None
+        k_w = self.k_norm.weight if self.qk_norm else None
+        eps = self.q_norm.variance_epsilon if self.qk_norm else 0.0
+        if self.rotary_emb.forward_qkv_inplace(positions, qkv, self.num_heads, self.num_kv_heads, q_w, k_w, eps):
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
             num_tokens = q.shape[0]

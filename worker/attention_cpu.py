@@ -1,0 +1,51 @@
+"""CPU attention backend: decodes read the paged KV cache directly in a C kernel.
+
+Prefill chunks keep torch's SDPA (`TorchAttentionBackend`): they are GEMM-shaped and SDPA's
+flash kernel handles them well. Decodes are where the torch path loses: it must gather each
+sequence's blocks into a padded tensor (a copy of the whole context, every layer, every step)
+before SDPA can run, and SDPA's CPU kernel is slow for one query row. The kernel in
+csrc/paged_attention.c walks the block tables instead (measured in scripts/bench_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
+from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Falls back to the torch path for anything the kernel does not cover (non-float32 caches,
+    non-CPU tensors, or no C compiler on the machine)."""
+
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return k_cache.is_contiguous() and is_f32_cpu(q, k_cache)  # builds the kernels on first use
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        if not self.supports(q, k_cache):
+            return super()._decode(q, k_cache, v_cache, metadata, scale, out)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        batch = metadata.paged_decode
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        rc = cpu_kernels().tidal_paged_decode_attention_f32(  # type: ignore[union-attr]
+            ptr(q), q.stride(0), ptr(out), out.stride(0), ptr(batch.rows),
+            ptr(k_cache), ptr(v_cache), num_blocks, ptr(batch.block_tables), batch.block_tables.shape[1],
+            ptr(batch.seq_lens), len(metadata.decode_seqs), num_heads, num_kv_heads, head_dim,
+            block_size, scale,
+        )
+        if rc == -1:
+            raise MemoryError("paged decode attention: could not allocate per-thread scratch")
+        if rc != 0:
+            raise RuntimeError(f"paged decode attention: block table out of range of the {num_blocks}-block cache")
+        return out

@@ -1,0 +1,124 @@
+"""C kernels for CPUs, compiled on first use with the machine's C compiler and loaded with ctypes.
+
+Plain C (no torch headers) compiles in well under a second, so there is no build step at install
+time: the shared object is cached under $TIDAL_CACHE_DIR (default ~/.cache/tidal/kernels), named
+by a hash of the source, the flags, the compiler's version and this CPU's feature flags
+(`-march=native`), and written atomically so concurrent workers never load a partial file.
+
+If there is no compiler or the build fails, `cpu_kernels()` returns None and callers keep the
+torch implementation: the kernels make things faster, never possible.
+Set TIDAL_CPU_KERNELS=0 to skip them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+# -fno-math-errno lets `#pragma omp simd` loops call glibc's vector expf; NaN/inf semantics stay.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_BUILD_TIMEOUT_S = 120
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
+    return Path(root) / "kernels"
+
+
+def _compile(sources: list[Path], compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=_BUILD_TIMEOUT_S, check=True).stdout
+    parts = [p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".c", ".h")]
+    key = hashlib.sha256(
+        b"\0".join([*parts, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    out_dir = _cache_dir()
+    target = out_dir / f"libtidal_cpu-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=_BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent loader sees no file or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# name -> (restype, argtypes); pointers are passed as tensor.data_ptr() integers.
+_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    # q, q_row_stride, out, out_row_stride, rows, k_cache, v_cache, num_blocks, block_tables,
+    # table_width, seq_lens, num_decodes, num_heads, num_kv_heads, head_dim, block_size, scale
+    "tidal_paged_decode_attention_f32": (
+        ctypes.c_int, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]),
+    # x, x_stride, out, weight, eps, rows, dim
+    "tidal_rms_norm_f32": (None, [_p, _i64, _p, _p, _f32, _i64, _i64]),
+    # x, residual, weight, eps, rows, dim
+    "tidal_fused_add_rms_norm_f32": (None, [_p, _p, _p, _f32, _i64, _i64]),
+    # qkv, row_stride, tokens, q heads, kv heads, head_dim, q_weight, k_weight, eps, positions,
+    # cos_cache, sin_cache, max_position
+    "tidal_qk_norm_rope_f32": (
+        ctypes.c_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _f32, _p, _p, _p, _i64]),
+    # x, out, rows, d
+    "tidal_silu_and_mul_f32": (None, [_p, _p, _i64, _i64]),
+}
+
+
+@functools.cache
+def cpu_kernels() -> ctypes.CDLL | None:
+    """The compiled kernels (functions typed per _SIGNATURES), or None when unavailable."""
+    if os.environ.get("TIDAL_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found; CPU kernels disabled, using torch ops")
+        return None
+    try:
+        # torch is imported (above), so its libgomp.so.1 is the one the kernels' OpenMP binds to.
+        lib = ctypes.CDLL(str(_compile(sorted(_CSRC.glob("*.c")), compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def is_f32_cpu(*tensors: torch.Tensor) -> bool:
+    """Every tensor float32 on the CPU, and the kernels built: the common precondition."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and cpu_kernels() is not None
