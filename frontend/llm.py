@@ -64,6 +64,10 @@ class LLM:
     def get_stats(self) -> SchedulerStats:
         return self._client.call_utility("get_stats")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False if blocks are still in use."""
+        return bool(self._client.call_utility("reset_prefix_cache"))
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
