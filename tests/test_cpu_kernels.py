@@ -263,3 +263,40 @@ def test_build_is_cached_and_falls_back_without_a_compiler(
         assert ck.cpu_kernels() is None
     finally:
         ck.cpu_kernels.cache_clear()
+
+
+# ----------------------------------------------------------------------------- inputs the kernels refuse
+def test_misfit_inputs_take_the_torch_path_and_fail_or_agree_like_torch() -> None:
+    """Shapes, dtypes and layouts a kernel would misread are routed to the torch ops, which
+    raise (or compute) exactly as they would without the kernels; nothing reads out of bounds."""
+    norm = RMSNorm(64)
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        norm(torch.randn(2, 256))  # weight narrower than the rows
+    x, res = torch.randn(3, 64), torch.randn(3, 64, dtype=torch.bfloat16)
+    out, new_res = norm(x, res)  # a bf16 residual: torch promotes, the kernel would misread it
+    torch.testing.assert_close(new_res, x + res)
+    with pytest.raises(RuntimeError):
+        SiluAndMul()(torch.randn(3, 5))  # odd width: torch's shape error, not a strided misread
+
+    rope = RotaryEmbedding(64, 64, 128, 10000.0)
+    qkv = torch.randn(8, (4 + 2 * 2) * 64)
+    before = qkv.clone()
+    assert not rope.forward_qkv_inplace(torch.arange(1), qkv, 4, 2, None, None, 1e-6)  # 1 position, 8 rows
+    assert not rope.forward_qkv_inplace(torch.arange(8), qkv[:, :256], 4, 2, None, None, 1e-6)  # q only
+    assert not rope.forward_qkv_inplace(torch.arange(8), qkv, 4, 2, torch.ones(32), torch.ones(32), 1e-6)
+    assert torch.equal(qkv, before)
+
+    case = _paged_case([17, 5], [1, 1], 4, 2, 64, 4, seed=7)
+    case["v_cache"] = case["v_cache"].to(torch.bfloat16)  # only V in bf16: the kernel reads float32
+    assert not CpuAttentionBackend().supports(case["q"], case["k_cache"], case["v_cache"])
+
+
+def test_kernel_with_no_decodes_is_a_no_op() -> None:
+    lib = ck.cpu_kernels()
+    out = torch.full((2, 4, 8), 7.0)
+    empty = torch.zeros(0, dtype=torch.long)
+    cache = torch.zeros(1, 4, 2, 8)
+    rc = lib.tidal_paged_decode_attention_f32(
+        ck.ptr(out), 32, ck.ptr(out), 32, ck.ptr(empty), ck.ptr(cache), ck.ptr(cache), 1, ck.ptr(empty), 0,
+        ck.ptr(empty), 0, 4, 2, 8, 4, 1.0)
+    assert rc == 0 and torch.equal(out, torch.full((2, 4, 8), 7.0))

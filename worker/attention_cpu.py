@@ -19,8 +19,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """Falls back to the torch path for anything the kernel does not cover (non-float32 caches,
     non-CPU tensors, or no C compiler on the machine)."""
 
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return k_cache.is_contiguous() and is_f32_cpu(q, k_cache)  # builds the kernels on first use
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        return (
+            k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
+            and is_f32_cpu(q, k_cache, v_cache)  # builds the kernels on first use
+        )
 
     def _decode(
         self,
@@ -31,7 +35,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        if not self.supports(q, k_cache):
+        if not self.supports(q, k_cache, v_cache):
             return super()._decode(q, k_cache, v_cache, metadata, scale, out)
         num_heads, head_dim = q.shape[1], q.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_dim:

@@ -17,6 +17,8 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -33,14 +35,13 @@ _BUILD_TIMEOUT_S = 120
 
 
 def _cpu_flags() -> str:
+    """What -march=native depends on: x86's `flags`, arm's `Features` and CPU part lines."""
+    keys = ("flags", "Features", "CPU implementer", "CPU part", "model name")
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
+            return "".join(sorted({line for line in f if line.startswith(keys)}))
     except OSError:
-        pass
-    return ""
+        return platform.processor()
 
 
 def _cache_dir() -> Path:
@@ -48,8 +49,8 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _compile(sources: list[Path], compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+def _compile(sources: list[Path], compiler: list[str]) -> Path:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                              timeout=_BUILD_TIMEOUT_S, check=True).stdout
     parts = [p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".c", ".h")]
     key = hashlib.sha256(
@@ -63,10 +64,11 @@ def _compile(sources: list[Path], compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True,
+        proc = subprocess.run([*compiler, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True,
                               text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{shlex.join(compiler)} failed: {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600; other users of a shared cache load it too
         os.replace(tmp, target)  # atomic: a concurrent loader sees no file or the whole file
     finally:
         if os.path.exists(tmp):
@@ -91,6 +93,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         ctypes.c_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _f32, _p, _p, _p, _i64]),
     # x, out, rows, d
     "tidal_silu_and_mul_f32": (None, [_p, _p, _i64, _i64]),
+    "tidal_set_num_threads": (None, [ctypes.c_int]),
 }
 
 
@@ -99,8 +102,9 @@ def cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernels (functions typed per _SIGNATURES), or None when unavailable."""
     if os.environ.get("TIDAL_CPU_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = shlex.split(cc) if cc else []  # CC may carry a launcher: "ccache gcc"
+    if not compiler:
         logger.warning("no C compiler found; CPU kernels disabled, using torch ops")
         return None
     try:
@@ -112,6 +116,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
+    lib.tidal_set_num_threads(torch.get_num_threads())
     return lib
 
 

@@ -32,13 +32,20 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if is_f32_cpu(x, self.weight) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        if self._kernel_applies(x, residual):
             return self._forward_kernel(x, residual)
         if residual is None:
             return self._norm(x)
         # The add happens in the model dtype, exactly like HF's `residual + hidden_states`.
         residual = x + residual
         return self._norm(residual), residual
+
+    def _kernel_applies(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        if x.shape[-1] != self.weight.numel() or not x.is_contiguous():
+            return False  # wrong widths: the torch ops raise the error
+        if residual is None:
+            return is_f32_cpu(x, self.weight)
+        return residual.shape == x.shape and residual.is_contiguous() and is_f32_cpu(x, residual, self.weight)
 
     def _forward_kernel(
         self, x: torch.Tensor, residual: torch.Tensor | None
@@ -51,8 +58,6 @@ class RMSNorm(nn.Module):
             out = torch.empty_like(x)
             lib.tidal_rms_norm_f32(ptr(x), dim, ptr(out), ptr(self.weight), self.variance_epsilon, rows, dim)
             return out
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
         lib.tidal_fused_add_rms_norm_f32(ptr(x), ptr(residual), ptr(self.weight), self.variance_epsilon, rows, dim)
         return x, residual
 

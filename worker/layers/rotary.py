@@ -112,8 +112,14 @@ class RotaryEmbedding(nn.Module):
         Returns False, touching nothing, when the kernel does not apply (the caller then runs
         the torch ops)."""
         weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
-        if not (is_f32_cpu(qkv, self.cos_cache, *weights) and qkv.dim() == 2 and qkv.stride(1) == 1):
-            return False
+        width = (num_q_heads + 2 * num_kv_heads) * self.head_size
+        if not (
+            qkv.dim() == 2 and qkv.shape[1] == width and qkv.stride(1) == 1 and qkv.stride(0) >= width
+            and positions.shape == (qkv.shape[0],) and positions.device.type == "cpu"
+            and self.head_size % 2 == 0 and all(w.shape == (self.head_size,) and w.is_contiguous() for w in weights)
+            and is_f32_cpu(qkv, self.cos_cache, *weights)
+        ):
+            return False  # the torch ops run (and raise whatever shape errors there are)
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else positions.long().contiguous()
         lib = cpu_kernels()
         assert lib is not None
