@@ -6,9 +6,9 @@ transformers runs the batch as a user would: one left-padded batch, max_new_toke
 longest request, every sequence forced to that length; only the tokens each request asked
 for count as useful output for both engines.
 
-Fairness: both engines are warmed up on the same few prompts that share nothing with the
-workload, and tidal's prefix cache is reset before every timed repeat, so no prompt is ever a
-cache hit. Each engine is timed --repeats times (default 3) and the median is compared; every
+Fairness: both engines first run an untimed warm-up workload of the same shape whose prompts
+share nothing with the timed ones, and tidal's prefix cache is reset before every timed
+repeat, so no timed prompt is ever a cache hit. Each engine is timed --repeats times (default 3) and the median is compared; every
 sample is printed.
 
     python scripts/bench_offline.py [--tensor-parallel-size 2] [--num-seqs 32] [--repeats 3] [--skip-hf]
@@ -39,21 +39,25 @@ def workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]
     return prompts, outputs
 
 
-def warmup_prompts(vocab: int) -> list[list[int]]:
-    """Two prompts whose first token (token 3) no workload prompt has (those start at >= 10)."""
-    rng = random.Random(12345)
-    return [[3] + [rng.randrange(10, vocab) for _ in range(n)] for n in (40, 200)]
+def warmup_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """A workload of the same shape for the untimed warm-up run of each engine (so one-time
+    costs, e.g. oneDNN building a kernel per new batch size or the heap growing, are paid
+    before timing, for both). Every prompt starts with token 3, which no timed prompt has
+    (those draw from [10, vocab)), so the warm-up leaves nothing in the prefix cache to hit."""
+    prompts, outputs = workload(n, vocab, seed + 1)
+    return [[3] + p[1:] for p in prompts], outputs
 
 
 def run_tidal(model: str, prompts: list[list[int]], outputs: list[int], tp: int, repeats: int,
-              warm: list[list[int]]) -> tuple[list[float], dict]:
+              warm: tuple[list[list[int]], list[int]]) -> tuple[list[float], dict]:
     from tidal.frontend import LLM
     from tidal.protocol import SamplingParams
 
     llm = LLM(model=model, dtype="float32", tensor_parallel_size=tp, max_num_seqs=256,
               max_num_batched_tokens=4096, max_model_len=1024, seed=0)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
-    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=8), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in warm[0]],
+                 [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in warm[1]], use_tqdm=False)
     times: list[float] = []
     timings: list[dict] = []
     for _ in range(repeats):
@@ -73,7 +77,7 @@ def run_tidal(model: str, prompts: list[list[int]], outputs: list[int], tp: int,
 
 
 def run_hf(model: str, prompts: list[list[int]], outputs: list[int], repeats: int,
-           warm: list[list[int]]) -> list[float]:
+           warm: tuple[list[list[int]], list[int]]) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -91,8 +95,10 @@ def run_hf(model: str, prompts: list[list[int]], outputs: list[int], repeats: in
     kwargs = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad)
     times = []
     with torch.inference_mode():
-        w_ids, w_mask = batch(warm)
-        hf.generate(input_ids=w_ids, attention_mask=w_mask, max_new_tokens=8, do_sample=False, pad_token_id=pad)
+        w_ids, w_mask = batch(warm[0])
+        w_new = max(warm[1])
+        hf.generate(input_ids=w_ids, attention_mask=w_mask, do_sample=False, max_new_tokens=w_new,
+                    min_new_tokens=w_new, pad_token_id=pad)
         for _ in range(repeats):
             t0 = time.perf_counter()
             out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
@@ -116,7 +122,7 @@ def main() -> None:
 
         cfg = AutoConfig.from_pretrained(model)
         prompts, outputs = workload(args.num_seqs, cfg.vocab_size, args.seed)
-        warm = warmup_prompts(cfg.vocab_size)
+        warm = warmup_workload(args.num_seqs, cfg.vocab_size, args.seed)
         useful = sum(outputs)
         times, timing = run_tidal(model, prompts, outputs, args.tensor_parallel_size, args.repeats, warm)
         t_tidal = statistics.median(times)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tidal.worker.make_model import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -44,11 +46,6 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
-    return Path(root) / "kernels"
-
-
 def _compile(sources: list[Path], compiler: list[str]) -> Path:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                              timeout=_BUILD_TIMEOUT_S, check=True).stdout
@@ -56,7 +53,7 @@ def _compile(sources: list[Path], compiler: list[str]) -> Path:
     key = hashlib.sha256(
         b"\0".join([*parts, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
-    out_dir = _cache_dir()
+    out_dir = Path(cache_dir()) / "kernels"
     target = out_dir / f"libtidal_cpu-{key}.so"
     if target.exists():
         return target
