@@ -17,7 +17,12 @@ from torch import nn
 from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
-from tidal.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from tidal.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, greedy_sample
+
+
+def _plain_greedy(sp: SamplingParams) -> bool:
+    """Greedy with nothing that changes or reports the logits: the sample is their argmax."""
+    return sp.sampling_type_greedy and sp.logprobs is None and not _reads_outputs(sp)
 
 
 def _reads_outputs(sp: SamplingParams) -> bool:
@@ -86,8 +91,8 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         tokens: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
@@ -100,11 +105,14 @@ class ModelRunner:
             start = st.num_computed_tokens
             end = start + n
             tokens.extend(st.token_ids[start:end])
-            blocks = np.asarray(st.block_ids, dtype=np.int64)
-            block_table[i, : len(blocks)] = blocks
-            pos = np.arange(start, end, dtype=np.int64)
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
+            block_table[i, : len(st.block_ids)] = st.block_ids
+            if n == 1:  # a decode: plain ints, no per-row numpy
+                positions.append(start)
+                slots.append(st.block_ids[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                positions.extend(pos.tolist())
+                slots.extend((block_table[i, pos // bs] * bs + pos % bs).tolist())
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             if st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
@@ -116,12 +124,12 @@ class ModelRunner:
                 logits_indices.append(qsl[-1] - 1)
         dev = self.device
         metadata = AttentionMetadata.build(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=qsl, seq_lens=seq_lens,
             block_tables=torch.from_numpy(block_table).to(dev), block_size=bs)
         return _Batch(
             req_ids, torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev), metadata,
+            torch.tensor(positions, dtype=torch.long, device=dev), metadata,
             sample_rows, logits_indices, prompt_lp)
 
     # ---------------------------------------------------------------- execute
@@ -157,6 +165,12 @@ class ModelRunner:
 
     def _sample(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         states = [self.requests[batch.req_ids[i]] for i in batch.sample_rows]
+        if all(_plain_greedy(st.sampling_params) for st in states):
+            # Nothing but an argmax to do: skip building the per-row sampling tensors.
+            sampled = greedy_sample(logits).tolist()
+            for row, i in enumerate(batch.sample_rows):
+                out.sampled_token_ids[i] = [sampled[row]]
+            return
         # Token histories are copied only for rows whose sampling reads them (penalties,
         # min_tokens): the copy grows with the sequence and would run every step for every row.
         empty: list[int] = []
