@@ -378,3 +378,23 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
         os.environ.pop("TIDAL_CACHE_DIR", None)
     else:
         os.environ["TIDAL_CACHE_DIR"] = old
+
+
+@pytest.mark.parametrize("name", ["qwen3-untied", "llama3-scaled"])
+def test_bfloat16_as_close_to_float32_as_transformers_bfloat16(models: dict[str, Loaded], name: str) -> None:
+    """bf16 runs the packed oneDNN GEMM and the torch ops (the C kernels are float32 only): its
+    distance to the float32 reference must be of the order of transformers' own bf16 error."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = models[name]
+    cfg = AutoConfig.from_pretrained(m.path)
+    ours = load_model(m.path, cfg, torch.bfloat16)
+    hf16 = AutoModelForCausalLM.from_pretrained(m.path, dtype=torch.bfloat16).eval()
+    tokens = rand_tokens(21, m.vocab_size, 9)
+    ref = hf_logits(m.hf, tokens)
+    with torch.no_grad():
+        got = ours.compute_logits(ours(torch.tensor(tokens), torch.arange(len(tokens)))).float()
+    hf_err = (hf_logits(hf16, tokens).float() - ref).abs().max().item()
+    our_err = (got - ref).abs().max().item()
+    assert got.dtype == torch.float32 and hf_err > 0
+    assert our_err <= 2 * hf_err + 1e-3, (our_err, hf_err)
