@@ -4,7 +4,7 @@ Prefill chunks keep torch's SDPA (`TorchAttentionBackend`): they are GEMM-shaped
 flash kernel handles them well. Decodes are where the torch path loses: it must gather each
 sequence's blocks into a padded tensor (a copy of the whole context, every layer, every step)
 before SDPA can run, and SDPA's CPU kernel is slow for one query row. The kernel in
-csrc/paged_attention.c walks the block tables instead (measured in scripts/bench_attention.py).
+csrc/paged_attention.c walks the block tables instead (`python scripts/bench_cpu_kernels.py` measures both).
 """
 
 from __future__ import annotations

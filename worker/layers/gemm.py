@@ -3,7 +3,7 @@
 torch's CPU `F.linear` in float32 goes to MKL, which on this project's AMD (Zen 4) machines is
 slow for the small row counts of decode steps: 36-40 GFLOPS at 4 rows, ~140 at 32, ~175 at 4096.
 oneDNN with the weight reordered once into its blocked layout gives 105-157, ~200 and ~215 on
-the same shapes (`python scripts/bench_gemm.py` prints both). vLLM's CPU backend makes the same
+the same shapes (`python scripts/bench_cpu_kernels.py` prints both). vLLM's CPU backend makes the same
 choice. The packed weight replaces the dense one, so memory does not grow.
 
 Set TIDAL_CPU_ONEDNN_GEMM=0 to keep every linear layer on `F.linear`.

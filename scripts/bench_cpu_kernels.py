@@ -1,0 +1,137 @@
+"""CPU fast paths vs the torch ops they replace, in one run: time per call and the ratio.
+
+  - linear: oneDNN with the weight packed once (layers/gemm.py) vs F.linear (MKL), per row count,
+    with six layers' weights cycled so they come from DRAM as in a real decode step;
+  - decode attention: the C kernel reading the paged cache (attention_cpu.py) vs the torch
+    backend (gather each sequence's blocks, then SDPA), per batch size, over a pool larger than
+    the caches;
+  - RMSNorm (+ residual), qk-norm + RoPE, SiLU-and-mul: C kernels vs the torch ops.
+
+Shapes are the bench_offline model's (hidden 512, 8 heads / 4 kv heads of 64, MLP 1536).
+
+    python scripts/bench_cpu_kernels.py
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
+from tidal.worker.attention_cpu import CpuAttentionBackend
+from tidal.worker.cpu_kernels import cpu_kernels
+from tidal.worker.layers.activation import SiluAndMul
+from tidal.worker.layers.gemm import PackedWeight
+from tidal.worker.layers.layernorm import RMSNorm
+from tidal.worker.layers.rotary import RotaryEmbedding
+from tidal.worker.loader import tune_cpu_malloc
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 512, 8, 4, 64, 1536
+
+
+def timed(fn: Callable[[], object], min_s: float = 0.3) -> float:
+    """Seconds per call: two warm-up calls, then repeat until min_s has passed."""
+    fn()
+    fn()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return elapsed / n
+
+
+def row(name: str, ours: float, ref: float) -> None:
+    print(f"  {name:34s} tidal {ours * 1e6:9.1f} us   torch {ref * 1e6:9.1f} us   ratio {ref / ours:5.2f}x")
+
+
+def bench_linear() -> None:
+    print("linear (6 layers' qkv/o/gate_up/down per call; weights from DRAM):")
+    shapes = [(1024, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)]
+    dense = [[torch.randn(n, k) for n, k in shapes] for _ in range(6)]
+    packed = [[PackedWeight(w) for w in layer] for layer in dense]
+    for m in (1, 4, 16, 32, 256, 2048):
+        xs = {k: torch.randn(m, k) for k in (HIDDEN, MLP)}
+        ours = timed(lambda: [p.linear(xs[p.shape[1]]) for layer in packed for p in layer])
+        ref = timed(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer])
+        row(f"{m} rows", ours, ref)
+
+
+def bench_decode_attention() -> None:
+    print("decode attention (one layer; contexts U[17,384], pool of 4096 blocks of 16):")
+    rng = random.Random(0)
+    block, num_blocks = 16, 4096
+    k_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
+    v_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
+    ids = list(range(num_blocks))
+    for batch in (1, 4, 16, 32, 64):
+        lens = [rng.randint(17, 384) for _ in range(batch)]
+        rng.shuffle(ids)
+        need = [-(-n // block) for n in lens]
+        tables = torch.zeros(batch, max(need), dtype=torch.long)
+        offset = 0
+        for i, n in enumerate(need):
+            tables[i, :n] = torch.tensor(ids[offset: offset + n])
+            offset += n
+        slots = torch.tensor([int(tables[i, (n - 1) // block]) * block + (n - 1) % block for i, n in enumerate(lens)])
+        meta = AttentionMetadata.build(slots, list(range(batch + 1)), lens, tables, block)
+        q = torch.randn(batch, HEADS, HEAD_DIM)
+        k, v = torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM)
+        cpu, ref_backend = CpuAttentionBackend(), TorchAttentionBackend()
+        got = cpu.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+        want = ref_backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+        assert torch.allclose(got, want, atol=1e-4), "kernel and torch backend disagree"
+        ours = timed(lambda: cpu.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5))
+        ref = timed(lambda: ref_backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5))
+        row(f"{batch} sequences", ours, ref)
+
+
+def bench_elementwise() -> None:
+    print("elementwise (C kernel vs the torch ops of the same layer):")
+    norm = RMSNorm(HIDDEN)
+    act = SiluAndMul()
+    rope = RotaryEmbedding(HEAD_DIM, HEAD_DIM, 4096, 1e6)
+    q_w, k_w = torch.ones(HEAD_DIM), torch.ones(HEAD_DIM)
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    for tokens in (32, 4096):
+        x, res = torch.randn(tokens, HIDDEN), torch.randn(tokens, HIDDEN)
+        gate_up = torch.randn(tokens, 2 * MLP)
+        qkv, pos = torch.randn(tokens, width), torch.randint(0, 4096, (tokens,))
+        row(f"add + RMSNorm, {tokens} tokens", timed(lambda: norm(x.clone(), res.clone())),
+            timed(lambda: norm._norm(x.clone() + res.clone())))
+        row(f"SiLU and mul, {tokens} tokens", timed(lambda: act(gate_up)),
+            timed(lambda: F.silu(gate_up[:, :MLP]) * gate_up[:, MLP:]))
+
+        def torch_qk_rope() -> None:
+            q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+            qn = norm_head(q.reshape(tokens, HEADS, HEAD_DIM), q_w)
+            kn = norm_head(k.reshape(tokens, KV_HEADS, HEAD_DIM), k_w)
+            rope(pos, qn, kn)
+
+        row(f"qk-norm + RoPE, {tokens} tokens",
+            timed(lambda: rope.forward_qkv_inplace(pos, qkv, HEADS, KV_HEADS, q_w, k_w, 1e-6)), timed(torch_qk_rope))
+
+
+def norm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def main() -> None:
+    tune_cpu_malloc()  # as the engine does: freed activations stay in the heap
+    torch.manual_seed(0)
+    if cpu_kernels() is None:
+        raise SystemExit("the C kernels could not be built here (no C compiler?)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    with torch.inference_mode():
+        bench_linear()
+        bench_decode_attention()
+        bench_elementwise()
+
+
+if __name__ == "__main__":
+    main()
