@@ -300,3 +300,22 @@ def test_kernel_with_no_decodes_is_a_no_op() -> None:
         ck.ptr(out), 32, ck.ptr(out), 32, ck.ptr(empty), ck.ptr(cache), ck.ptr(cache), 1, ck.ptr(empty), 0,
         ck.ptr(empty), 0, 4, 2, 8, 4, 1.0)
     assert rc == 0 and torch.equal(out, torch.full((2, 4, 8), 7.0))
+
+
+def test_kv_cache_write_skips_padding_and_rejects_bad_slots() -> None:
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 3 * 2 * 8, generator=gen)  # k and v as strided views of a fused row
+    k, v = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
+    flat_k, flat_v = torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)
+
+    def meta(slots: list[int]) -> AttentionMetadata:
+        return AttentionMetadata.build(torch.tensor(slots), [0, 5], [5], torch.zeros(1, 1, dtype=torch.long), 16)
+
+    CpuAttentionBackend()._write_cache(k, v, flat_k, flat_v, meta([3, -1, 0, 9, -1]))
+    want_k, want_v = torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)
+    for token, slot in ((0, 3), (2, 0), (3, 9)):
+        want_k[slot], want_v[slot] = k[token], v[token]
+    assert torch.equal(flat_k, want_k) and torch.equal(flat_v, want_v)
+    with pytest.raises(RuntimeError, match="outside"):
+        CpuAttentionBackend()._write_cache(k, v, flat_k, flat_v, meta([1, 2, 10, 4, 5]))
+    assert torch.equal(flat_k, want_k)  # nothing written

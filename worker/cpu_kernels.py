@@ -80,6 +80,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # table_width, seq_lens, num_decodes, num_heads, num_kv_heads, head_dim, block_size, scale
     "tidal_paged_decode_attention_f32": (
         ctypes.c_int, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]),
+    # k, k_stride, v, v_stride, slots, num_tokens, k_cache, v_cache, num_slots, row_len
+    "tidal_write_kv_cache_f32": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64]),
     # x, x_stride, out, weight, eps, rows, dim
     "tidal_rms_norm_f32": (None, [_p, _i64, _p, _p, _f32, _i64, _i64]),
     # x, residual, weight, eps, rows, dim

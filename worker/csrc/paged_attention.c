@@ -168,3 +168,20 @@ int tidal_paged_decode_attention_f32(const float *q, int64_t q_row_stride, float
     }
     return failed ? -1 : 0;
 }
+
+/* Token t's K and V rows (row_len floats each, at k + t * k_stride and v + t * v_stride) go to
+ * row slots[t] of k_cache / v_cache ([num_slots, row_len]); a negative slot (a padding token)
+ * is skipped. Returns 0, or -1 when a slot is >= num_slots (then nothing is written). */
+int tidal_write_kv_cache_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                             const int64_t *slots, int64_t num_tokens, float *k_cache, float *v_cache,
+                             int64_t num_slots, int64_t row_len) {
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (slots[t] >= num_slots) return -1;
+#pragma omp parallel for schedule(static) if (num_tokens * row_len > 65536)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row_len, k + t * k_stride, sizeof(float) * row_len);
+        memcpy(v_cache + slots[t] * row_len, v + t * v_stride, sizeof(float) * row_len);
+    }
+    return 0;
+}
