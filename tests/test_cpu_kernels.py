@@ -122,6 +122,11 @@ def test_paged_decode_rejects_bad_block_tables() -> None:
     case["tables"][1, 1] = -1
     with pytest.raises(RuntimeError, match="out of range"):
         _run_backend(CpuAttentionBackend(), case, 0.1)
+    rows = _paged_case([20, 9], [1, 1], 4, 2, 64, 4, seed=1)
+    meta = AttentionMetadata.build(rows["slots"], rows["qsl"], rows["lens"], rows["tables"], 4)
+    meta.paged_decode.rows[1] = 2  # one past the two query rows
+    with pytest.raises(RuntimeError, match="out of range"):
+        CpuAttentionBackend().forward(rows["q"], rows["k"], rows["v"], rows["k_cache"], rows["v_cache"], meta, 0.1)
     short = _paged_case([20, 9], [1, 1], 4, 2, 64, 4, seed=1)
     short["tables"] = short["tables"][:, :2]  # seq 0 needs 5 blocks; its row holds 2
     with pytest.raises(RuntimeError, match="out of range"):
@@ -297,7 +302,7 @@ def test_kernel_with_no_decodes_is_a_no_op() -> None:
     empty = torch.zeros(0, dtype=torch.long)
     cache = torch.zeros(1, 4, 2, 8)
     rc = lib.tidal_paged_decode_attention_f32(
-        ck.ptr(out), 32, ck.ptr(out), 32, ck.ptr(empty), ck.ptr(cache), ck.ptr(cache), 1, ck.ptr(empty), 0,
+        ck.ptr(out), 32, ck.ptr(out), 32, ck.ptr(empty), 2, ck.ptr(cache), ck.ptr(cache), 1, ck.ptr(empty), 0,
         ck.ptr(empty), 0, 4, 2, 8, 4, 1.0)
     assert rc == 0 and torch.equal(out, torch.full((2, 4, 8), 7.0))
 

@@ -66,10 +66,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_heads, head_dim = q.shape[1], q.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
+        if out.shape != q.shape or not out.is_contiguous():
+            return super()._decode(q, k_cache, v_cache, metadata, scale, out)
         batch = metadata.paged_decode
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         rc = cpu_kernels().tidal_paged_decode_attention_f32(  # type: ignore[union-attr]
-            ptr(q), q.stride(0), ptr(out), out.stride(0), ptr(batch.rows),
+            ptr(q), q.stride(0), ptr(out), out.stride(0), ptr(batch.rows), min(q.shape[0], out.shape[0]),
             ptr(k_cache), ptr(v_cache), num_blocks, ptr(batch.block_tables), batch.block_tables.shape[1],
             ptr(batch.seq_lens), len(metadata.decode_seqs), num_heads, num_kv_heads, head_dim,
             block_size, scale,
@@ -77,5 +79,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if rc == -1:
             raise MemoryError("paged decode attention: could not allocate per-thread scratch")
         if rc != 0:
-            raise RuntimeError(f"paged decode attention: block table out of range of the {num_blocks}-block cache")
+            raise RuntimeError(
+                f"paged decode attention: a query row or block table entry is out of range "
+                f"({q.shape[0]} rows, {num_blocks}-block cache)")
         return out

@@ -76,10 +76,11 @@ def _compile(sources: list[Path], compiler: list[str]) -> Path:
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # name -> (restype, argtypes); pointers are passed as tensor.data_ptr() integers.
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    # q, q_row_stride, out, out_row_stride, rows, k_cache, v_cache, num_blocks, block_tables,
-    # table_width, seq_lens, num_decodes, num_heads, num_kv_heads, head_dim, block_size, scale
+    # q, q_row_stride, out, out_row_stride, rows, num_q_rows, k_cache, v_cache, num_blocks,
+    # block_tables, table_width, seq_lens, num_decodes, num_heads, num_kv_heads, head_dim,
+    # block_size, scale
     "tidal_paged_decode_attention_f32": (
-        ctypes.c_int, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]),
+        ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]),
     # k, k_stride, v, v_stride, slots, num_tokens, k_cache, v_cache, num_slots, row_len
     "tidal_write_kv_cache_f32": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64]),
     # x, x_stride, out, weight, eps, rows, dim

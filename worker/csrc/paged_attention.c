@@ -2,7 +2,8 @@
  *
  * The torch backend has to gather every decode's blocks into one padded tensor before SDPA can
  * run, which copies the whole context of every sequence on every layer and step; here each
- * (sequence, kv head) task walks its own block table and reads each cached K/V row once.
+ * task (a sequence, or a share of its kv heads when sequences are fewer than threads) walks its
+ * own block table and reads each cached K/V row once.
  *
  * Layout (what tidal's model runner binds): k_cache / v_cache are contiguous
  * [num_blocks, block_size, num_kv_heads, head_dim]; query heads h of kv head j are
@@ -107,10 +108,11 @@ static inline __attribute__((always_inline)) void attend_rows(
 /* For each decode i: q row rows[i] of q ([*, num_heads, head_dim], row stride q_row_stride
  * floats) attends over positions [0, seq_lens[i]) of the sequence whose block ids are
  * block_tables[i * table_width ...]; the result goes to the same row of out.
- * Returns 0; -1 when scratch memory could not be allocated; -2 when a sequence needs more blocks
- * than its table row holds or names a block outside [0, num_blocks) (nothing is read then). */
+ * Returns 0; -1 when scratch memory could not be allocated; -2 when a row is outside
+ * [0, num_q_rows), or a sequence needs more blocks than its table row holds or names a block
+ * outside [0, num_blocks) (nothing is read or written then). */
 int tidal_paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out,
-                                     int64_t out_row_stride, const int64_t *rows,
+                                     int64_t out_row_stride, const int64_t *rows, int64_t num_q_rows,
                                      const float *k_cache, const float *v_cache, int64_t num_blocks,
                                      const int64_t *block_tables, int64_t table_width,
                                      const int64_t *seq_lens, int64_t num_decodes, int64_t num_heads,
@@ -119,6 +121,7 @@ int tidal_paged_decode_attention_f32(const float *q, int64_t q_row_stride, float
     const int64_t table_stride = table_width;
     if (num_decodes <= 0) return 0;
     for (int64_t i = 0; i < num_decodes; ++i) {
+        if (rows[i] < 0 || rows[i] >= num_q_rows) return -2;
         const int64_t used = (seq_lens[i] + block_size - 1) / block_size;
         if (seq_lens[i] < 0 || used > table_width) return -2;
         for (int64_t b = 0; b < used; ++b) {
