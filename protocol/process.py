@@ -75,22 +75,21 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> int | None:
     return stop_processes([proc], timeout_s)[0]
 
 
+def _signal_live(procs: Sequence[subprocess.Popen], send: Callable[[subprocess.Popen], None]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                send(proc)
+            except OSError:
+                pass  # it exited in between
+
+
 def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> list[int | None]:
     """SIGTERM every live process at once, SIGKILL what is left after `timeout_s`, reap all.
     Returns the exit codes (None only for a process that survived SIGKILL's wait)."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                proc.terminate()
-            except OSError:
-                pass
+    _signal_live(procs, subprocess.Popen.terminate)
     _wait_all(procs, time.monotonic() + timeout_s)
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                proc.kill()
-            except OSError:
-                pass
+    _signal_live(procs, subprocess.Popen.kill)
     _wait_all(procs, time.monotonic() + max(timeout_s, 5.0))
     return [proc.returncode for proc in procs]
 

@@ -96,7 +96,8 @@ def bench_elementwise() -> None:
     norm = RMSNorm(HIDDEN)
     act = SiluAndMul()
     rope = RotaryEmbedding(HEAD_DIM, HEAD_DIM, 4096, 1e6)
-    q_w, k_w = torch.ones(HEAD_DIM), torch.ones(HEAD_DIM)
+    head_norm = RMSNorm(HEAD_DIM)
+    q_w = k_w = head_norm.weight
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     for tokens in (32, 4096):
         x, res = torch.randn(tokens, HIDDEN), torch.randn(tokens, HIDDEN)
@@ -109,16 +110,12 @@ def bench_elementwise() -> None:
 
         def torch_qk_rope() -> None:
             q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
-            qn = norm_head(q.reshape(tokens, HEADS, HEAD_DIM), q_w)
-            kn = norm_head(k.reshape(tokens, KV_HEADS, HEAD_DIM), k_w)
+            qn = head_norm._norm(q.reshape(tokens, HEADS, HEAD_DIM))  # RMSNorm's torch ops
+            kn = head_norm._norm(k.reshape(tokens, KV_HEADS, HEAD_DIM))
             rope(pos, qn, kn)
 
         row(f"qk-norm + RoPE, {tokens} tokens",
             timed(lambda: rope.forward_qkv_inplace(pos, qkv, HEADS, KV_HEADS, q_w, k_w, 1e-6)), timed(torch_qk_rope))
-
-
-def norm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
 def main() -> None:

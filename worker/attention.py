@@ -95,9 +95,6 @@ class AttentionMetadata:
     # ---- derived by build() ----
     decode_seqs: list[int] = field(default_factory=list)  # batch indices with query_len == 1
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Tokens whose slot is >= 0 (negative slots mark padding tokens that must not be cached);
-    # None when every token is written.
-    write_token_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,13 +134,19 @@ class AttentionMetadata:
             elif seq_len < q_len:
                 raise ValueError(f"seq {i}: seq_len {seq_len} < query_len {q_len}")
             meta.prefills.append(span)
-
-        # One host sync per step (not per layer) to support padded batches.
-        if slot_mapping.numel() and bool((slot_mapping < 0).any()):
-            meta.write_token_indices = torch.nonzero(slot_mapping >= 0).flatten()
         return meta
 
-    # Per-backend views of the decodes, built on first use and shared by every layer of the step.
+    # Per-backend views, built on first use and shared by every layer of the step (a backend
+    # that does not need one never pays for it).
+    @functools.cached_property
+    def write_token_indices(self) -> torch.Tensor | None:
+        """Tokens whose slot is >= 0 (negative slots mark padding tokens that must not be
+        cached); None when every token is written. One host sync per step, not per layer."""
+        slots = self.slot_mapping
+        if slots.numel() and bool((slots < 0).any()):
+            return torch.nonzero(slots >= 0).flatten()
+        return None
+
     @functools.cached_property
     def decode_groups(self) -> list[DecodeGroup]:
         """Decodes in batch order, cut into groups whose padded gather stays bounded."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.worker.layers.gemm import PackedWeight, onednn_gemm_enabled
+from tidal.worker.layers.gemm import PackedWeight, linear, pack_if_enabled
 from tidal.worker.layers.linear import LoadedWeight, copy_checked, narrow_weight, weight_shape
 from tidal.worker.parallel_state import (
     get_tp_rank,
@@ -83,16 +83,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         """Pack the weight for the fast CPU GEMM (see layers/gemm.py). A tied weight is packed as
         a copy, since the embedding still looks rows up in it; an untied one is dropped."""
-        if self.packed_weight is None and onednn_gemm_enabled(self.weight):
-            self.packed_weight = PackedWeight(self.weight)
-            if not self.tied:
+        if self.packed_weight is None:
+            self.packed_weight = pack_if_enabled(self.weight)
+            if self.packed_weight is not None and not self.tied:
                 self.weight = None  # type: ignore[assignment]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            logits = self.packed_weight.linear(hidden_states)
-        else:
-            logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, self.packed_weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.num_embeddings:

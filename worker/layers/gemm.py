@@ -67,3 +67,15 @@ class PackedWeight:
 
     def to_dense(self) -> torch.Tensor:
         return self.packed.to_dense()
+
+
+def pack_if_enabled(weight: torch.Tensor) -> PackedWeight | None:
+    return PackedWeight(weight) if onednn_gemm_enabled(weight) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) with the packed weight when there is one, else the dense one."""
+    if packed is not None:
+        return packed.linear(x, bias)
+    return F.linear(x, weight, bias)

@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any, Protocol, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tidal.worker.layers.gemm import PackedWeight, onednn_gemm_enabled
+from tidal.worker.layers.gemm import PackedWeight, linear, pack_if_enabled
 from tidal.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -112,15 +111,14 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Called once all weights are loaded: move the weight into the fastest GEMM's layout.
         The dense Parameter is dropped (set to None) when packed, so weights are held once."""
-        if self.packed_weight is None and onednn_gemm_enabled(self.weight):
-            self.packed_weight = PackedWeight(self.weight)
-            self.weight = None  # type: ignore[assignment]
+        if self.packed_weight is None:
+            self.packed_weight = pack_if_enabled(self.weight)
+            if self.packed_weight is not None:
+                self.weight = None  # type: ignore[assignment]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias) on this rank's shard."""
-        if self.packed_weight is not None:
-            return self.packed_weight.linear(x, bias)
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, self.packed_weight, bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, tp_size={self.tp_size}"

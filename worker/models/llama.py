@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,69 +43,63 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How a family's attention differs from Llama's, as its HF class builds it."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE
+
+
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        config: Any,
-        rotary_emb: RotaryEmbedding,
-        layer_idx: int,
-        qkv_bias: bool,
-        o_bias: bool,
-        qk_norm: bool,
-    ) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, opts: AttentionOptions) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.total_num_heads
         self.qkv_proj = QKVParallelLinear(
-            self.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=qkv_bias
+            self.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=opts.qkv_bias
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=opts.o_bias)
         # One RotaryEmbedding (cos/sin table) shared by all layers, as vLLM's get_rope cache does.
         self.rotary_emb = rotary_emb
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx=layer_idx
         )
-        self.qk_norm = qk_norm
-        if qk_norm:
+        self.qk_norm = opts.qk_norm
+        if opts.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q_w = self.q_norm.weight if self.qk_norm else None
-        k_w = self.k_norm.weight if self.qk_norm else None
-        eps = self.q_norm.variance_epsilon if self.qk_norm else 0.0
-        if self.rotary_emb.forward_qkv_inplace(positions, qkv, self.num_heads, self.num_kv_heads, q_w, k_w, eps):
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, v))
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        # One C pass does the q/k norms and RoPE in place on CPU float32; else the torch ops.
+        fused = self.rotary_emb.forward_qkv_inplace(
+            positions, qkv, self.num_heads, self.num_kv_heads,
+            norms[0].weight if norms else None, norms[1].weight if norms else None,
+            norms[0].variance_epsilon if norms else 0.0)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
+        if not fused:
             num_tokens = q.shape[0]
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
-        return self.o_proj(out)
+            if norms:
+                q = norms[0](q.reshape(num_tokens, self.num_heads, self.head_dim))
+                k = norms[1](k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
+            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: Any,
-        rotary_emb: RotaryEmbedding,
-        layer_idx: int,
-        qkv_bias: bool,
-        o_bias: bool,
-        qk_norm: bool,
-    ) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, opts: AttentionOptions) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, layer_idx, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, rotary_emb, layer_idx, opts)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -128,14 +123,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, opts: AttentionOptions) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_theta, rope_scaling = rope_params_from_config(config)
         self.rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, i, qkv_bias, o_bias, qk_norm)
+            LlamaDecoderLayer(config, self.rotary_emb, i, opts)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -162,7 +157,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config
-        qkv_bias, o_bias, qk_norm = self._attention_options(hf_config)
         window = getattr(hf_config, "sliding_window", None)
         if window and (getattr(hf_config, "use_sliding_window", True)) and window < hf_config.max_position_embeddings:
             logger.warning(
@@ -170,17 +164,16 @@ class LlamaForCausalLM(nn.Module):
                 window,
                 window,
             )
-        self.model = LlamaModel(hf_config, qkv_bias, o_bias, qk_norm)
+        self.model = LlamaModel(hf_config, self._attention_options(hf_config))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
     @staticmethod
-    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
-        """(qkv bias, o_proj bias, per-head q/k norm) as the HF class for this family builds."""
+    def _attention_options(config: Any) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        return bias, bias, False
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -222,12 +215,12 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
-        return True, False, False  # HF Qwen2: q/k/v have bias, o_proj has none
+    def _attention_options(config: Any) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True)  # HF Qwen2: q/k/v have bias, o_proj has none
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
+    def _attention_options(config: Any) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        return bias, bias, True
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
