@@ -1,7 +1,7 @@
 """User-facing outputs, with vLLM's names and fields."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 FinishReasonStr = str  # "stop" | "length" | "abort" | "error"
 
@@ -33,6 +33,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStateStats:
+    """Per-request timings, with vLLM V1's names. `arrival_time` is wall-clock (time.time());
+    the `*_ts` stamps are time.monotonic() (the core's events and the front-end's receipt of
+    tokens, one clock on one host). Filled only when stats are on (disable_log_stats=False)."""
+
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0  # the core queued the request
+    scheduled_ts: float = 0.0  # first scheduled (admitted to the running batch)
+    first_token_ts: float = 0.0  # the front-end received the first generated token
+    last_token_ts: float = 0.0  # ... and the latest one
+    first_token_latency: float = 0.0  # seconds from arrival to the first token
+    num_generation_tokens: int = 0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -41,4 +56,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestStateStats | None = None

@@ -49,13 +49,6 @@ def exit_with_parent(sig: int = signal.SIGKILL) -> ParentWatch:
     return ParentWatch(parent)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (racy: prefer `listen_socket`, which keeps it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def listen_socket(host: str = "127.0.0.1", backlog: int = 128) -> socket.socket:
     """A TCP socket already bound to a kernel-chosen free port and listening: the port is
     held from this moment, so nothing else on the host can take it (no choose-then-bind race).

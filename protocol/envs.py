@@ -1,0 +1,54 @@
+"""Every environment variable tidal reads, in one place (as vLLM's envs.py).
+
+Read lazily: `envs.TIDAL_CPU_KERNELS` looks at os.environ on each access, so a variable set
+after import (a test's monkeypatch, a parent setting a child's environment) takes effect.
+Each is documented in the README's table.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        value = os.environ.get(name)
+        if value is None or not value.strip():
+            return default
+        return value.strip().lower() not in ("0", "false", "no", "off")
+    return read
+
+
+def _cache_dir() -> str:
+    return os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    # Logging level of every tidal process (DEBUG shows tracebacks the CLI shortens).
+    "TIDAL_LOG_LEVEL": lambda: os.environ.get("TIDAL_LOG_LEVEL", "WARNING"),
+    # 0: LLM runs the engine core in the calling process (easier to debug).
+    "TIDAL_ENABLE_MULTIPROCESSING": _flag("TIDAL_ENABLE_MULTIPROCESSING", True),
+    # Made models, tokenizers and compiled kernels (default ~/.cache/tidal).
+    "TIDAL_CACHE_DIR": _cache_dir,
+    # 0: no C kernels on CPU, torch ops only.
+    "TIDAL_CPU_KERNELS": _flag("TIDAL_CPU_KERNELS", True),
+    # 0: linear layers use F.linear instead of oneDNN packed weights.
+    "TIDAL_CPU_ONEDNN_GEMM": _flag("TIDAL_CPU_ONEDNN_GEMM", True),
+    # auto (by device) | torch (the reference backend everywhere).
+    "TIDAL_ATTENTION_BACKEND": lambda: os.environ.get("TIDAL_ATTENTION_BACKEND", "auto"),
+    # The C compiler for the CPU kernels (None: cc or gcc on PATH).
+    "CC": lambda: os.environ.get("CC") or None,
+}
+
+__all__ = sorted(_VARIABLES)
+
+
+def __getattr__(name: str) -> Any:
+    read = _VARIABLES.get(name)
+    if read is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return read()
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
