@@ -24,7 +24,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     model = args.model
     if model is None:
-        from tidal.worker.make_model import ensure_default_model
+        from tidal.frontend.make_model import ensure_default_model
 
         model = ensure_default_model()
         print(f"note: no --model given, so this uses tidal's embedded default model ({model}). "
@@ -67,7 +67,7 @@ def _cmd_core(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from tidal.worker.make_model import make_model
+    from tidal.frontend.make_model import make_model
 
     kwargs = {k: getattr(args, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                                               "num_kv_heads", "head_dim", "intermediate_size",

@@ -15,7 +15,7 @@ from tidal.worker import attention
 from tidal.worker.cpu_kernels import cpu_kernels
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
 from tidal.worker.loader import load_model, resolve_dtype
-from tidal.worker.make_model import make_model
+from tidal.frontend.make_model import make_model
 from tidal.worker.models.registry import MODEL_REGISTRY, get_model_class
 
 ATOL = 1e-4

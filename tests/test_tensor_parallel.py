@@ -60,7 +60,7 @@ MAX_TOKENS = [20, 14, 24, 18, 22, 16]
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> dict[str, str]:
-    from tidal.worker.make_model import make_model
+    from tidal.frontend.make_model import make_model
 
     out = {}
     with pytest.MonkeyPatch.context() as mp:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.worker.make_model import cache_dir
+from tidal.protocol import envs
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _compile(sources: list[Path], compiler: list[str]) -> Path:
     key = hashlib.sha256(
         b"\0".join([*parts, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
-    out_dir = Path(cache_dir()) / "kernels"
+    out_dir = Path(envs.TIDAL_CACHE_DIR) / "kernels"
     target = out_dir / f"libtidal_cpu-{key}.so"
     if target.exists():
         return target

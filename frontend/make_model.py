@@ -14,6 +14,8 @@ import sys
 import tempfile
 from typing import Any
 
+from tidal.protocol import envs
+
 SPECIAL_TOKENS: list[str] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN, PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|endoftext|>", "<|im_end|>"
 CHATML_TEMPLATE = (
@@ -49,12 +51,8 @@ _ARCHS: dict[str, tuple[str, str]] = {
 }
 
 
-def cache_dir() -> str:
-    return os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
-
-
 def default_model_dir() -> str:
-    return os.path.join(cache_dir(), "default-model")
+    return os.path.join(envs.TIDAL_CACHE_DIR, "default-model")
 
 
 def _training_corpus() -> list[str]:
@@ -80,7 +78,7 @@ def train_tokenizer_json(vocab_size: int) -> str:
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for a byte-level tokenizer")
     py = f"{sys.version_info[0]}{sys.version_info[1]}"
-    folder = os.path.join(cache_dir(), "tokenizers", f"bytebpe-v{_TOKENIZER_VERSION}-py{py}-{vocab_size}")
+    folder = os.path.join(envs.TIDAL_CACHE_DIR, "tokenizers", f"bytebpe-v{_TOKENIZER_VERSION}-py{py}-{vocab_size}")
     path = os.path.join(folder, "tokenizer.json")
     if os.path.isfile(path):
         return path
