@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-_GREEDY_EPS = 1e-5
+from tidal.protocol.utils import GREEDY_EPS
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -53,7 +53,9 @@ class SamplingParams(
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self._verify()
-        if self.temperature < _GREEDY_EPS:
+        if self.top_k == -1:  # vLLM's spelling of "disabled"
+            self.top_k = 0
+        if self.temperature < GREEDY_EPS:
             # Greedy: the truncation knobs cannot change argmax; normalise so the batched
             # sampler can skip them (vLLM does the same).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -64,9 +66,10 @@ class SamplingParams(
 
     @property
     def sampling_type_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     def _verify(self) -> None:
+        """Raise ValueError naming the first field out of its range; changes nothing."""
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} {rule}, got {getattr(self, name)!r}.")
 
@@ -83,8 +86,6 @@ class SamplingParams(
             raise bad("top_p", "must be in (0, 1]")
         if self.top_k < -1:
             raise bad("top_k", "must be -1 or 0 (disable), or at least 1")
-        if self.top_k == -1:
-            self.top_k = 0
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and self.max_tokens < 1:
