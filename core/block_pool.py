@@ -45,11 +45,10 @@ def update_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
         self.num_blocks: int = num_blocks
-        self.enable_caching: bool = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         # block_id -> block, in least-recently-freed-first order (front is reused first).
         self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(

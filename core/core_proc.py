@@ -2,16 +2,20 @@
 
 Started by a front-end (`python -m tidal.core.core_proc --address ipc://... --config-json ...`,
 see frontend/core_process.py) or headless by an operator (`tidal core MODEL --address tcp://...`);
-both run `run_engine_core`. Front-ends connect DEALER sockets with unique identities; outputs
-go back to the identity that owns each request.
+both run `run_engine_core`. Front-ends connect DEALER sockets with unique identities; a request
+is stamped with its sender's identity (`Request.client_index`), and its outputs go back there.
 
 Busy loop (main thread): block on the input queue only when there is no work (with a timeout,
-to check the executor's health), drain the queue, step, apply the aborts that arrived during the
-step, send that step's outputs. Handshake: a front-end's first call is the
-utility "hello", answered with the core's ResolvedEngineInfo; a core that fails to start answers
-it (and writes `--error-file`) with its error text. Death: an exception in the loop sends
-`engine_dead` to every front-end and exits non-zero; SIGTERM/SIGINT shut down cleanly; a spawned
-core exits when its parent dies (PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread).
+to check the executor's health), drain the queue, step, send each front-end its share of the
+step's outputs. The engine drains the queue again between the forward pass and building the
+outputs (`EngineCore.apply_input`), so aborts that arrived during the step are applied before
+its outputs exist.
+
+Handshake: a front-end's first call is the utility HELLO, answered with the core's
+ResolvedEngineInfo; a core that fails to start answers it (and writes `--error-file`) with its
+error text. Death: an exception in the loop sends `engine_dead` to every front-end and exits
+non-zero; SIGTERM/SIGINT shut down cleanly; a spawned core exits when its parent dies
+(PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread).
 """
 from __future__ import annotations
 
@@ -26,27 +30,18 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 import msgspec
 
 from tidal.core.core_io import GONE, CoreIO, InputItem
 from tidal.protocol.config import EngineConfig
+from tidal.protocol.messages import HELLO, EngineCoreOutputs, EngineCoreRequestType, UtilityOutput, UtilityRequest
 from tidal.protocol.process import exit_with_parent
-from tidal.protocol.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreRequestType,
-    FinishReason,
-    UtilityOutput,
-    UtilityRequest,
-)
+from tidal.protocol.utils import setup_logging, summarize_exception
 
 logger = logging.getLogger("tidal.core.core_proc")
 
-HELLO = "hello"  # handshake utility method, answered by the process (not by EngineCore)
 _IDLE_POLL_S = 0.5  # longest block on the input queue before a health check
 _PARENT_POLL_S = 0.5
 _PARENT_GONE_EXIT_S = 10.0  # a clean exit after the parent died may take this long, no more
@@ -67,11 +62,8 @@ class EngineCoreProc:
         self.error_file = error_file
         self.input_queue: "queue.SimpleQueue[InputItem]" = queue.SimpleQueue()
         self.engine: Any = None  # EngineCore once started
-        self._owner: dict[str, bytes] = {}  # request id -> identity of the front-end that sent it
-        self._num_owned: dict[bytes, int] = {}  # identity -> its unfinished requests
-        self._clients: set[bytes] = set()  # every identity that ever said hello or sent a request
+        self._clients: set[bytes] = set()  # connected identities: each hears engine_dead
         self._shutting_down = False
-        self._owners_changed = False  # a front-end left during this iteration: regroup outputs
         self.io = CoreIO(address, self.input_queue)  # bind first: a bad address fails at once
 
     # ------------------------------------------------------------------ lifecycle
@@ -80,7 +72,7 @@ class EngineCoreProc:
         try:
             from tidal.core.engine_core import EngineCore
 
-            self.engine = EngineCore(self.config)
+            self.engine = EngineCore(self.config, apply_input=self._drain)
         except _Shutdown:
             self.io.close()
             return 0
@@ -102,7 +94,7 @@ class EngineCoreProc:
             dead_msg = f"engine core shut down ({e})"
         except BaseException as e:
             logger.exception("engine core busy loop failed")
-            code, dead_msg = 1, _summary(e)
+            code, dead_msg = 1, summarize_exception(e)
         self._shutting_down = True
         # Whatever the reason, every front-end learns it now instead of waiting on a timeout.
         for identity in self._clients:
@@ -132,75 +124,45 @@ class EngineCoreProc:
     def _busy_loop(self) -> None:
         engine, in_q = self.engine, self.input_queue
         while True:
-            extra: dict[bytes, list[EngineCoreOutput]] = {}
-            aborted: set[str] = set()
             if not engine.has_unfinished_requests():
                 try:
                     item = in_q.get(timeout=_IDLE_POLL_S)
                 except queue.Empty:
                     engine.check_health()
                     continue
-                self._handle(item, extra, aborted)
-            self._drain(extra, aborted)
-            step = engine.step() if engine.has_unfinished_requests() else EngineCoreOutputs()
-            # Aborts (and adds) that arrived during the step are applied before it is sent.
-            self._drain(extra, aborted)
-            self._send_step(step, extra, aborted)
+                self._handle(item)
+            self._drain()
+            for identity, outputs in engine.step().items():
+                self.io.send(identity, outputs)
 
-    def _drain(self, extra: dict[bytes, list[EngineCoreOutput]], aborted: set[str]) -> None:
+    def _drain(self) -> None:
+        """Apply everything on the input queue (also called by the engine mid-step)."""
         in_q = self.input_queue
         while True:
             try:
                 item = in_q.get_nowait()
             except queue.Empty:
                 return
-            self._handle(item, extra, aborted)
+            self._handle(item)
 
-    def _handle(self, item: InputItem, extra: dict[bytes, list[EngineCoreOutput]], aborted: set[str]) -> None:
+    def _handle(self, item: InputItem) -> None:
         kind, identity, payload = item
         if kind == _ADD:
             self._clients.add(identity)
-            self._add(identity, payload, extra)
+            self.engine.add_request(payload, identity)
         elif kind == _ABORT:
-            mine = [rid for rid in payload if self._owner.get(rid) == identity]  # only its own
-            for out in self.engine.abort_requests(mine):
-                aborted.add(out.request_id)
-                extra.setdefault(identity, []).append(out)
+            self.engine.abort_requests(payload, identity)
         elif kind == _UTILITY:
             self._clients.add(identity)
             self._utility(identity, payload)
         elif kind == GONE:
             # Its connection is gone: nobody will read these requests' outputs; free their KV.
-            mine = [rid for rid, owner in self._owner.items() if owner == identity]
-            if mine:
-                logger.info("front-end %s disconnected; aborting its %d request(s)",
-                            identity.hex()[:16], len(mine))
-                for out in self.engine.abort_requests(mine):
-                    self._release(out.request_id)
-                for rid in mine:  # requests the engine no longer knew
-                    self._release(rid)
-                self._owners_changed = True  # this step's outputs for them go nowhere
+            n = self.engine.drop_client(identity)
+            if n:
+                logger.info("front-end %s disconnected; aborted its %d request(s)", identity.hex()[:16], n)
             self._clients.discard(identity)
         else:
             raise RuntimeError(str(payload))  # the IO thread died
-
-    def _add(self, identity: bytes, req: EngineCoreRequest, extra: dict[bytes, list[EngineCoreOutput]]) -> None:
-        rid = req.request_id
-        err = None
-        if rid in self._owner:  # ids are unique per core, across front-ends
-            err = EngineCoreOutput(rid, finish_reason=FinishReason.ERROR,
-                                   error=f"request id {rid!r} is already running")
-        else:
-            try:
-                err = self.engine.add_request(req)
-            except Exception as e:  # a request that breaks the scheduler fails alone
-                logger.exception("add_request(%r) failed", rid)
-                err = EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=_summary(e))
-        if err is not None:
-            extra.setdefault(identity, []).append(err)
-            return
-        self._owner[rid] = identity
-        self._num_owned[identity] = self._num_owned.get(identity, 0) + 1
 
     def _utility(self, identity: bytes, req: UtilityRequest) -> None:
         try:
@@ -216,67 +178,6 @@ class EngineCoreProc:
     def _reply(self, identity: bytes, call_id: int, result: Any, failure: str | None) -> None:
         out = UtilityOutput(call_id, result=result, failure=failure)
         self.io.send(identity, EngineCoreOutputs(utility_output=out, timestamp=time.monotonic()))
-
-    def _release(self, rid: str) -> None:
-        identity = self._owner.pop(rid, None)
-        if identity is not None:
-            n = self._num_owned[identity] - 1
-            if n:
-                self._num_owned[identity] = n
-            else:
-                del self._num_owned[identity]
-
-    def _send_step(self, step: EngineCoreOutputs, extra: dict[bytes, list[EngineCoreOutput]],
-                   aborted: set[str]) -> None:
-        outputs = step.outputs
-        if aborted and outputs:
-            # The abort wins over what the step produced for the same request: mark that output
-            # finished (its tokens still count) instead of sending a second, later one.
-            by_id = {o.request_id: o for o in outputs}
-            for identity, outs in extra.items():
-                keep = []
-                for o in outs:
-                    hit = by_id.get(o.request_id) if o.finish_reason == FinishReason.ABORT else None
-                    if hit is None:
-                        keep.append(o)
-                    elif hit.finish_reason is None:
-                        hit.finish_reason = FinishReason.ABORT
-                extra[identity] = keep
-        if not outputs and not any(extra.values()):
-            return
-        owners = self._num_owned
-        regroup, self._owners_changed = self._owners_changed, False
-        if not regroup and len(owners) == 1 and (not extra or extra.keys() == owners.keys()):
-            # One front-end (the common case): the step goes out as is, without regrouping.
-            (identity,) = owners
-            if extra:
-                outputs.extend(extra[identity])
-            self.io.send(identity, step)
-        else:
-            groups: dict[bytes, list[EngineCoreOutput]] = {}
-            owner_of = self._owner
-            for o in outputs:
-                owner = owner_of.get(o.request_id)
-                if owner is not None:  # None: its front-end left during this step
-                    groups.setdefault(owner, []).append(o)
-            for identity, outs in extra.items():
-                groups.setdefault(identity, []).extend(outs)
-            for identity, outs in groups.items():
-                if outs:
-                    self.io.send(identity, EngineCoreOutputs(
-                        outputs=outs, scheduler_stats=step.scheduler_stats, timestamp=step.timestamp))
-        for o in outputs:
-            if o.finish_reason is not None:
-                self._release(o.request_id)
-        for rid in aborted:
-            self._release(rid)
-
-
-def _summary(e: BaseException) -> str:
-    """The exception and where it happened (last frames), short enough for a log line."""
-    tb = traceback.extract_tb(e.__traceback__)[-3:]
-    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(tb))
-    return f"{type(e).__name__}: {e} (at {where})" if where else f"{type(e).__name__}: {e}"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -335,8 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--error-file", default=None, help="where to write the start-up error")
     parser.add_argument("--cleanup-dir", default=None, help="directory to remove on exit")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING").upper(),
-                        format="%(asctime)s %(levelname)s [engine-core %(process)d] %(name)s: %(message)s")
+    setup_logging("engine-core")
     code = 1
     try:
         code = run_engine_core(EngineConfig.from_json(args.config_json), args.address,

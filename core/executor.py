@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from tidal.protocol.utils import max_useful_kv_blocks
 
 
 class Executor(ABC):
@@ -77,12 +78,12 @@ class NullExecutor(Executor):
     (position, request id) alone; costs no model time, so what is measured is the engine."""
 
     def initialize(self) -> ResolvedEngineInfo:
-        self.vocab_size, max_pos = read_model_limits(self.config.model)
-        max_model_len = self.config.max_model_len or max_pos
-        bs = self.config.block_size
-        blocks = self.config.num_kv_blocks or self.config.max_num_seqs * (-(-max_model_len // bs)) + 1
+        cfg = self.config
+        self.vocab_size, max_pos = read_model_limits(cfg.model)
+        max_model_len = cfg.max_model_len or max_pos
+        blocks = cfg.num_kv_blocks or max_useful_kv_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size)
         self._lens: dict[str, int] = {}  # req_id -> tokens known to the runner
-        return ResolvedEngineInfo(max_model_len, blocks, bs, self.vocab_size)
+        return ResolvedEngineInfo(max_model_len, blocks, cfg.block_size, self.vocab_size)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         lens = self._lens

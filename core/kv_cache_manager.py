@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from tidal.core.block_pool import BlockPool, KVCacheBlock, update_block_hashes
 from tidal.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from tidal.protocol.utils import cdiv
 
 
 class KVCacheManager:
@@ -26,7 +23,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         self.block_size: int = block_size
         self.enable_caching: bool = enable_caching
-        self.block_pool: BlockPool = BlockPool(num_blocks, enable_caching)
+        self.block_pool: BlockPool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> number of its leading blocks already registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -30,7 +29,8 @@ from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from tidal.protocol.config import ResolvedEngineInfo
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerFrame
-from tidal.protocol.process import SpawnerThread, listen_socket, stop_processes
+from tidal.protocol.process import SpawnerThread, listen_socket, stop_processes, wait_all
+from tidal.protocol.utils import Deadline, threads_per_rank
 from tidal.protocol.zmq_utils import IpcDir
 
 logger = logging.getLogger(__name__)
@@ -47,11 +47,17 @@ STEP, SHUTDOWN = WorkerFrame.STEP, WorkerFrame.SHUTDOWN
 READY, OUTPUT, FAILED = WorkerFrame.READY, WorkerFrame.OUTPUT, WorkerFrame.FAILED
 IN_COLLECTIVE, WHERE = WorkerFrame.IN_COLLECTIVE, WorkerFrame.WHERE
 _PROBE_WAIT_S = 2.0  # how long a timed-out step waits for the ranks to say where they are
+_PROBE_WAIT_MS = int(_PROBE_WAIT_S * 1000)
 _STARTUP, _IDLE = "start-up", "idle"
 
 
 class WorkerFailure(EngineDeadError):
     """A worker failed, died or stopped answering; names the rank and the cause."""
+
+
+def _flag(frames: list[zmq.Frame], i: int) -> bool:
+    """Whether a report's optional last frame `i` is the in-a-collective flag."""
+    return len(frames) > i and frames[i].bytes == IN_COLLECTIVE
 
 
 def _exit_cause(code: int) -> str:
@@ -92,12 +98,7 @@ class _Workers:
                                 sock.send(SHUTDOWN, zmq.NOBLOCK)
                             except zmq.ZMQError:
                                 pass
-                    deadline = time.monotonic() + _GRACEFUL_EXIT_S
-                    for proc in procs:
-                        try:
-                            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                        except subprocess.TimeoutExpired:
-                            pass
+                    wait_all(procs, Deadline(_GRACEFUL_EXIT_S))
                 stop_processes(procs, timeout_s=2.0 if graceful else 1.0)
             finally:
                 if self.spawner is not None:
@@ -109,6 +110,10 @@ class _Workers:
 
 
 class MultiprocExecutor(Executor):
+    # How `python` starts a worker; tests substitute a script that injects faults
+    # (tests/fault_injection.py), so the production loop carries no test branches.
+    worker_entry: tuple[str, ...] = ("-m", "tidal.worker.worker_proc")
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.world_size = config.tensor_parallel_size
@@ -117,6 +122,8 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._step = 0
         self._ready: dict[int, ResolvedEngineInfo] = {}
+        self.encoder = MsgpackEncoder()
+        self.out_decoder = MsgpackDecoder(ModelRunnerOutput)
 
     @property
     def procs(self) -> list[subprocess.Popen]:
@@ -135,7 +142,7 @@ class MultiprocExecutor(Executor):
             raise
 
     def _start(self) -> ResolvedEngineInfo:
-        cfg, w = self.config, self._w
+        w = self._w
         w.ipc = IpcDir("tidal-workers-")
         w.ctx = zmq.Context()
         self.results = w.ctx.socket(zmq.PULL)
@@ -147,44 +154,46 @@ class MultiprocExecutor(Executor):
         listener = listen_socket("127.0.0.1")
         try:
             host, port = listener.getsockname()[:2]
-            init_method = f"tcp://{host}:{port}"
-            config_json = cfg.to_json().decode()
-            env = dict(os.environ)
-            if "OMP_NUM_THREADS" not in env:
-                # N ranks on one host share its cores; torch's default (all cores per process)
-                # oversubscribes them and CPU tensor parallelism crawls.
-                cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-                env["OMP_NUM_THREADS"] = str(max(1, cpus // self.world_size))
+            args = [sys.executable, *self.worker_entry, "--config-json", self.config.to_json().decode(),
+                    "--world-size", str(self.world_size), "--init-method", f"tcp://{host}:{port}",
+                    "--result-address", result_address]
+            # N ranks on one host share its cores (an explicit OMP_NUM_THREADS wins).
+            env = {"OMP_NUM_THREADS": str(threads_per_rank(self.world_size)), **os.environ}
             for rank in range(self.world_size):
-                sock = w.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 0)
-                address = w.ipc.address(f"steps-{rank}")
-                sock.bind(address)
-                w.step_sockets.append(sock)
-                probe = w.ctx.socket(zmq.PUSH)
-                probe.setsockopt(zmq.LINGER, 0)
-                probe_address = w.ipc.address(f"probe-{rank}")
-                probe.bind(probe_address)
-                w.probe_sockets.append(probe)
-                args = [sys.executable, "-m", "tidal.worker.worker_proc", "--config-json", config_json,
-                        "--rank", str(rank), "--world-size", str(self.world_size),
-                        "--init-method", init_method, "--step-address", address,
-                        "--result-address", result_address, "--probe-address", probe_address]
-                pass_fds: tuple[int, ...] = ()
-                if rank == 0:
-                    args += ["--listen-fd", str(listener.fileno())]
-                    pass_fds = (listener.fileno(),)
-                rank_env = dict(env, TIDAL_WORKER_RANK=str(rank))
-                w.procs.append(w.spawner.call(lambda: subprocess.Popen(
-                    args, env=rank_env, stdin=subprocess.DEVNULL, pass_fds=pass_fds, close_fds=True)))
+                self._spawn(rank, args, env, listener.fileno() if rank == 0 else None)
         finally:
             listener.close()  # rank 0 holds its own copy of the listening socket
-        self.encoder = MsgpackEncoder()
-        self.out_decoder = MsgpackDecoder(ModelRunnerOutput)
+        return self._wait_ready()
+
+    def _push_socket(self, name: str) -> tuple[zmq.Socket, str]:
+        assert self._w.ctx is not None and self._w.ipc is not None
+        sock = self._w.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        address = self._w.ipc.address(name)
+        sock.bind(address)
+        return sock, address
+
+    def _spawn(self, rank: int, args: list[str], env: dict[str, str], listen_fd: int | None) -> None:
+        """Start rank `rank` with its own step and probe sockets; rank 0 inherits `listen_fd`,
+        the rendezvous socket torch.distributed serves its store on."""
+        w = self._w
+        assert w.spawner is not None
+        steps, step_address = self._push_socket(f"steps-{rank}")
+        w.step_sockets.append(steps)
+        probe, probe_address = self._push_socket(f"probe-{rank}")
+        w.probe_sockets.append(probe)
+        args = [*args, "--rank", str(rank), "--step-address", step_address, "--probe-address", probe_address]
+        if listen_fd is not None:
+            args += ["--listen-fd", str(listen_fd)]
+        pass_fds = () if listen_fd is None else (listen_fd,)
+        w.procs.append(w.spawner.call(lambda: subprocess.Popen(
+            args, env=env, stdin=subprocess.DEVNULL, pass_fds=pass_fds, close_fds=True)))
+
+    def _wait_ready(self) -> ResolvedEngineInfo:
         info_decoder = MsgpackDecoder(ResolvedEngineInfo)
         infos = self._ready
-        deadline = time.monotonic() + cfg.engine_start_timeout_s
+        deadline = Deadline(self.config.engine_start_timeout_s)
         while len(infos) < self.world_size:
             kind, rank, payload = self._recv(deadline, _STARTUP)
             if kind != READY:
@@ -196,12 +205,9 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------- steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self._dead is not None:
-            raise WorkerFailure(self._dead)
-        if self._w.closed:
-            raise WorkerFailure("the tensor-parallel workers were shut down")
+        self._raise_if_down()
         self._step += 1
-        deadline = time.monotonic() + self.config.worker_step_timeout_s
+        deadline = Deadline(self.config.worker_step_timeout_s)
         self._broadcast([STEP, *self.encoder.encode(scheduler_output)], deadline)
         kind, rank, payload = self._recv(deadline, f"step {self._step}")
         if kind != OUTPUT or rank != 0:
@@ -212,7 +218,7 @@ class MultiprocExecutor(Executor):
             self._fail(f"worker rank 0 sent a malformed step output: {type(e).__name__}: {e}")
             raise  # unreachable
 
-    def _broadcast(self, frames: list[Any], deadline: float) -> None:
+    def _broadcast(self, frames: list[Any], deadline: Deadline) -> None:
         """The same encoded frames to every rank; a large frame is one zmq.Frame whose memory
         every socket shares (no copy per rank)."""
         msg = [zmq.Frame(f) if len(f) >= _ZERO_COPY_MIN else f for f in frames]
@@ -224,12 +230,12 @@ class MultiprocExecutor(Executor):
                 except zmq.Again:
                     # No peer on the socket: the rank is gone (or never connected).
                     self.check_health()
-                    if time.monotonic() > deadline:
+                    if deadline.expired():
                         self._fail(f"worker rank {rank} did not take step {self._step} within "
                                    f"worker_step_timeout_s={self.config.worker_step_timeout_s}s")
                     sock.poll(_POLL_MS, zmq.POLLOUT)
 
-    def _recv(self, deadline: float, what: str) -> tuple[bytes, int, list[Any]]:
+    def _recv(self, deadline: Deadline, what: str) -> tuple[bytes, int, list[Any]]:
         """Next message from any rank; raises WorkerFailure naming the rank and cause when a
         worker fails, dies, or nothing arrives before `deadline`."""
         while True:
@@ -241,7 +247,7 @@ class MultiprocExecutor(Executor):
                     continue  # a late answer to an earlier probe
                 return kind, rank, payload
             self._check_procs(what)
-            if time.monotonic() > deadline:
+            if deadline.expired():
                 self._timed_out(what)
 
     def _timed_out(self, what: str) -> None:
@@ -253,39 +259,40 @@ class MultiprocExecutor(Executor):
                 sock.send(b"?", zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        where: dict[int, tuple[int, str, bool]] = {}
-        end = time.monotonic() + _PROBE_WAIT_S
-        while len(where) < self.world_size and self.results.poll(max(0, int((end - time.monotonic()) * 1000))):
-            frames = self.results.recv_multipart()
-            if frames[0] == WHERE:
-                where[int(frames[1])] = (int(frames[2]), frames[3].decode(errors="replace"),
-                                         len(frames) > 4 and frames[4] == IN_COLLECTIVE)
-            elif frames[0] == FAILED:
-                self._diagnose(what, {int(frames[1]): (frames[2].decode(errors="replace"),
-                                                       len(frames) > 3 and frames[3] == IN_COLLECTIVE)},
-                               _PEER_GRACE_S)
-        stuck = [r for r in range(self.world_size)
-                 if r not in where or (where[r][0] == self._step and not where[r][2])]
+        where: dict[int, tuple[int, str, bool]] = {}  # rank -> (busy step, stack, in a collective)
+        deadline = Deadline(_PROBE_WAIT_S)
+        while len(where) < self.world_size and self.results.poll(deadline.remaining_ms(_PROBE_WAIT_MS)):
+            kind, rank, payload = self._read_result()
+            if kind == WHERE:
+                where[rank] = payload
+            elif kind == FAILED:
+                self._diagnose(what, {rank: payload}, _PEER_GRACE_S)
+        ranks = range(self.world_size)
         if what == _STARTUP:
-            stuck = [r for r in range(self.world_size) if r not in self._ready]
-        rank = stuck[0] if stuck else 0
-        states = "; ".join(
-            f"rank {r}: " + ("no answer" if r not in where else
-                             f"{'in step ' + str(where[r][0]) if where[r][0] else 'idle' if r in self._ready else 'starting'}"
-                             f"{', in a collective' if where[r][2] else ''} at {where[r][1]}")
-            for r in range(self.world_size))
-        if what == _STARTUP:
-            self._fail(f"worker rank {rank} did not finish start-up within engine_start_timeout_s="
-                       f"{self.config.engine_start_timeout_s}s ({states})")
-        self._fail(f"worker rank {rank} did not finish {what} within worker_step_timeout_s="
-                   f"{self.config.worker_step_timeout_s}s ({states})")
+            stuck = [r for r in ranks if r not in self._ready]
+            limit = f"start-up within engine_start_timeout_s={self.config.engine_start_timeout_s}s"
+        else:
+            stuck = [r for r in ranks if r not in where or (where[r][0] == self._step and not where[r][2])]
+            limit = f"{what} within worker_step_timeout_s={self.config.worker_step_timeout_s}s"
+        states = "; ".join(f"rank {r}: {self._rank_state(r, where.get(r))}" for r in ranks)
+        self._fail(f"worker rank {stuck[0] if stuck else 0} did not finish {limit} ({states})")
+
+    def _rank_state(self, rank: int, answer: tuple[int, str, bool] | None) -> str:
+        if answer is None:
+            return "no answer"
+        step, stack, in_collective = answer
+        state = f"in step {step}" if step else "idle" if rank in self._ready else "starting"
+        return f"{state}{', in a collective' if in_collective else ''} at {stack}"
 
     def _read_result(self) -> tuple[bytes, int, Any]:
+        """(kind, rank, payload); the payload of FAILED is (text, in a collective), of WHERE
+        (busy step, stack, in a collective), of the others their frames' buffers."""
         frames = self.results.recv_multipart(copy=False)
         kind, rank = frames[0].bytes, int(frames[1].bytes)
         if kind == FAILED:
-            text = frames[2].bytes.decode(errors="replace").rstrip()
-            return kind, rank, (text, len(frames) > 3 and frames[3].bytes == IN_COLLECTIVE)
+            return kind, rank, (frames[2].bytes.decode(errors="replace").rstrip(), _flag(frames, 3))
+        if kind == WHERE:
+            return kind, rank, (int(frames[2].bytes), frames[3].bytes.decode(errors="replace"), _flag(frames, 4))
         return kind, rank, [f.buffer for f in frames[2:]]
 
     # ------------------------------------------------------------------ failure
@@ -299,19 +306,19 @@ class MultiprocExecutor(Executor):
         A failure raised inside a collective is usually a peer's death or failure seen from
         the other side, so look a little longer for a report that is not one, or for a rank
         that died without a word; the first such one is the cause."""
-        end = time.monotonic() + grace_s
+        deadline, death_grace = Deadline(grace_s), Deadline(_DEATH_GRACE_S)
 
         def settled() -> bool:
             return any(not coll for _, coll in reports.values())
 
-        while not settled() and time.monotonic() < end:
+        while not settled() and not deadline.expired():
             if self.results.poll(20):
                 kind, rank, payload = self._read_result()
                 if kind == FAILED:
                     reports.setdefault(rank, payload)
                 continue
             silent_dead = [r for r, p in enumerate(self._w.procs) if p.poll() is not None and r not in reports]
-            if silent_dead and time.monotonic() > end - grace_s + _DEATH_GRACE_S:
+            if silent_dead and death_grace.expired():
                 break
         where = {_STARTUP: "during start-up", _IDLE: "while idle"}.get(what, f"in {what}")
         for rank, (text, coll) in reports.items():
@@ -334,11 +341,14 @@ class MultiprocExecutor(Executor):
             self._w.close(graceful=False)
         raise WorkerFailure(self._dead)
 
-    def check_health(self) -> None:
+    def _raise_if_down(self) -> None:
         if self._dead is not None:
             raise WorkerFailure(self._dead)
         if self._w.closed:
             raise WorkerFailure("the tensor-parallel workers were shut down")
+
+    def check_health(self) -> None:
+        self._raise_if_down()
         self._check_procs(_IDLE)
 
     def shutdown(self) -> None:

@@ -6,6 +6,9 @@ Invariants:
 - `0 <= num_computed_tokens <= num_tokens`: tokens whose KV is in the request's blocks.
 - `block_hashes` holds the hash chain of a prefix of the request's *full* blocks; the KV cache
   manager extends it lazily (it owns the block size), it never shrinks.
+- Facts about a request live on it, not in side maps keyed by its id: who sent it
+  (`client_index`) and how many prompt-logprob rows were sent, so nothing is left to clean up
+  when it ends.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from tidal.protocol.sampling_params import SamplingParams
 
 # (EngineCoreEventType value, time.monotonic()) as carried by `EngineCoreOutput.events`.
 EngineCoreEvent = tuple[int, float]
+# The front-end a request came from, where its outputs go (vLLM's client_index): the ZMQ
+# identity of its socket in the core process, None for a caller in this process.
+ClientIndex = bytes | None
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,8 +65,10 @@ class Request:
         arrival_time: float | None = None,
         *,
         max_model_len: int | None = None,
+        client_index: ClientIndex = None,
     ) -> None:
         self.request_id: str = request_id
+        self.client_index: ClientIndex = client_index
         self.prompt_token_ids: list[int] = prompt_token_ids  # never mutated
         self.sampling_params: SamplingParams = sampling_params
         self.eos_token_id: int | None = eos_token_id
@@ -84,10 +92,14 @@ class Request:
         # How many of `all_token_ids` the model runner holds (0: it holds no state for us).
         # The scheduler sends `all_token_ids[num_synced_tokens:]` as the next delta.
         self.num_synced_tokens: int = 0
-        self.events: list[EngineCoreEvent] = []
+        # Prompt-logprob rows already sent: a request preempted mid-prefill recomputes its
+        # prompt, and those rows must not reach the user twice.
+        self.num_prompt_logprobs_sent: int = 0
+        self.events: list[EngineCoreEvent] = []  # recorded only when stats are on
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int,
+                                 client_index: ClientIndex = None) -> "Request":
         return cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -95,6 +107,7 @@ class Request:
             eos_token_id=req.eos_token_id,
             arrival_time=req.arrival_time,
             max_model_len=max_model_len,
+            client_index=client_index,
         )
 
     # ------------------------------------------------------------------ tokens

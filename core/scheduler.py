@@ -9,6 +9,9 @@ Invariants:
 - Per step: sum of scheduled tokens <= max_num_batched_tokens, scheduled requests <= running.
 - The runner holds state for a request iff `request.num_synced_tokens > 0`; its id goes in
   `finished_req_ids` once when that state must be dropped (finish, abort, preemption).
+- The scheduler trusts its caller: a request it is given passed `check_request` and its id is
+  not in `requests` (EngineCore checks both).
+- Request events (QUEUED, SCHEDULED, PREEMPTED) are recorded only with `log_stats`.
 """
 from __future__ import annotations
 
@@ -16,12 +19,13 @@ from collections import deque
 from collections.abc import Iterable
 
 from tidal.core.kv_cache_manager import KVCacheManager
-from tidal.core.request import Request, RequestStatus
+from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import (
     CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
+    LogprobsArrays,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -40,14 +44,15 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
-        max_logprobs: int = 20,
+        log_stats: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
         if num_kv_blocks * block_size < max_model_len:
             raise ValueError(
-                f"the KV cache ({num_kv_blocks} blocks x {block_size} tokens) cannot hold one "
-                f"sequence of max_model_len={max_model_len} tokens."
+                f"the KV cache holds {num_kv_blocks * block_size} tokens ({num_kv_blocks} blocks of "
+                f"{block_size}), fewer than max_model_len={max_model_len}: raise num_kv_blocks / "
+                "kv_cache_memory_bytes or lower max_model_len"
             )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -59,7 +64,7 @@ class Scheduler:
         self.block_size: int = block_size
         self.max_model_len: int = max_model_len
         self.enable_chunked_prefill: bool = enable_chunked_prefill
-        self.max_logprobs: int = max_logprobs
+        self.log_stats: bool = log_stats
         self.kv_cache_manager: KVCacheManager = KVCacheManager(
             num_kv_blocks, block_size, enable_caching=enable_prefix_caching
         )
@@ -77,7 +82,7 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, num_kv_blocks: int, max_model_len: int) -> "Scheduler":
-        budget = cfg.budget_tokens
+        budget = cfg.max_num_batched_tokens
         if not cfg.enable_chunked_prefill:
             budget = max(budget, max_model_len)  # a whole prompt must fit one step (as vLLM)
         return cls(
@@ -88,26 +93,16 @@ class Scheduler:
             max_model_len=max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
-            max_logprobs=cfg.max_logprobs,
+            log_stats=not cfg.disable_log_stats,
         )
 
     # ------------------------------------------------------------------ requests in / out
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ValueError (nothing queued) for one that can never run."""
-        sp = request.sampling_params
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use.")
-        if not 0 < request.num_prompt_tokens <= self.max_model_len:
-            raise ValueError(
-                f"prompt length {request.num_prompt_tokens} must be in [1, {self.max_model_len}]."
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(sp, name)
-            if k is not None and k > self.max_logprobs:
-                raise ValueError(f"{name}={k} exceeds max_logprobs={self.max_logprobs}.")
+        """Queue a checked request whose id is not in use (see the invariants)."""
         request.status = RequestStatus.WAITING
-        request.record_event(EngineCoreEventType.QUEUED)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -146,7 +141,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.record_event(EngineCoreEventType.PREEMPTED)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED)
         if request.num_synced_tokens > 0:
             self.finished_req_ids[request.request_id] = None
             request.num_synced_tokens = 0
@@ -218,7 +214,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            request.record_event(EngineCoreEventType.SCHEDULED)
+            if self.log_stats:
+                request.record_event(EngineCoreEventType.SCHEDULED)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -251,12 +248,14 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
+    ) -> dict[ClientIndex, list[EngineCoreOutput]]:
+        """Apply a step's results; returns the outputs of the requests that advanced, grouped
+        by the front-end each goes to (`Request.client_index`)."""
         kv = self.kv_cache_manager
         sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
-        outputs: list[EngineCoreOutput] = []
+        outputs: dict[ClientIndex, list[EngineCoreOutput]] = {}
         any_finished = False
 
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -273,13 +272,15 @@ class Scheduler:
             if new_token_ids:
                 new_token_ids = self._append_and_check_stop(request, new_token_ids)
             new_prompt_logprobs = prompt_logprobs.get(request_id)
+            if new_prompt_logprobs is not None:
+                new_prompt_logprobs = _unsent_prompt_logprobs(request, start, new_prompt_logprobs)
             if not new_token_ids and new_prompt_logprobs is None:
                 continue
             finish_reason = request.get_finished_reason()
             if finish_reason is not None:
                 any_finished = True
                 self._free_request(request)
-            outputs.append(
+            outputs.setdefault(request.client_index, []).append(
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=new_token_ids,
@@ -321,9 +322,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -343,3 +341,15 @@ class Scheduler:
             num_batched_tokens=self.num_batched_tokens,
             num_scheduled_seqs=self.num_scheduled_seqs,
         )
+
+
+def _unsent_prompt_logprobs(request: Request, start: int, arrays: LogprobsArrays) -> LogprobsArrays | None:
+    """The rows of `arrays` not sent before (row i is the logprob of prompt token start + i + 1):
+    a request preempted mid-prefill recomputes rows that already went out. None: all were sent."""
+    skip = max(0, request.num_prompt_logprobs_sent - start)
+    if skip >= len(arrays.ranks):
+        return None
+    if skip:
+        arrays = LogprobsArrays(arrays.token_ids[skip:], arrays.logprobs[skip:], arrays.ranks[skip:])
+    request.num_prompt_logprobs_sent = start + skip + len(arrays.ranks)
+    return arrays

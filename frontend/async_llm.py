@@ -8,7 +8,8 @@ requests a stop string finished. `generate()` drains its collector.
 
 Request ids: the user's id maps to a unique internal id (`<id>#<engine tag><n>`) used with the
 core and the OutputProcessor, so that an id is reusable the moment its request ended and two
-front-ends sharing a headless core never collide; outputs carry the user's id again.
+front-ends sharing a headless core never collide; outputs carry the user's id again. So
+"already running" is checked here only, on the user's ids (`_running`).
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ import logging
 import threading
 import uuid
 import weakref
-from typing import Any, AsyncGenerator, Iterable
+from typing import Any, AsyncGenerator, Callable, Iterable
 
 from tidal.frontend.core_client import AsyncMPClient
-from tidal.frontend.output_processor import ParentRequest, RequestOutputCollector
-from tidal.frontend.tokenizer_utils import start_front_end
-from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
+from tidal.frontend.engine_setup import FrontEnd
+from tidal.frontend.output_processor import RequestOutputCollector
+from tidal.protocol.config import EngineConfig
 from tidal.protocol.errors import EngineDeadError, EngineGenerateError
 from tidal.protocol.messages import SchedulerStats
 from tidal.protocol.outputs import RequestOutput
@@ -40,7 +41,7 @@ _OUTPUT_SLICE = 128
 _YIELD_EVERY = _OUTPUT_SLICE
 
 
-class AsyncLLM:
+class AsyncLLM(FrontEnd[AsyncMPClient]):
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`engine_args` are EngineConfig fields (vLLM's names); unknown names raise TypeError."""
         self._setup(EngineConfig.from_kwargs(model, **engine_args))
@@ -52,29 +53,21 @@ class AsyncLLM:
         return self
 
     def _setup(self, config: EngineConfig) -> None:
-        self.config = config
-        self._closed = True  # until everything below exists (a failed __init__ and __del__)
         self._handler: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        parts = start_front_end(config, AsyncMPClient)
-        self.engine_core = parts.client
-        self.tokenizer: Any = parts.tokenizer
-        self.info: ResolvedEngineInfo = parts.info
-        self.input_processor = parts.input_processor
-        self.output_processor = parts.output_processor
         self._running: dict[str, str] = {}  # user request id -> internal id
         self._tag = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
-        self._closed = False
+        self._start(config, AsyncMPClient)
         # Weakly: the client's watcher thread must not keep this engine alive (and its __del__,
         # which shuts the core down, from ever running).
-        method = weakref.WeakMethod(self._on_core_dead)
+        ref = weakref.ref(self)
 
-        def on_dead(exc: EngineDeadError) -> None:
-            bound = method()
-            if bound is not None:
-                bound(exc)
+        def on_dead(exc: EngineDeadError) -> None:  # from the watcher thread or the handler
+            engine = ref()
+            if engine is not None:
+                engine._in_loop(engine._fail_streams, exc)
 
         self.engine_core.add_dead_callback(on_dead)
 
@@ -132,11 +125,11 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead_error)) from None
         except EngineGenerateError:
             finished = True
-            self._abort_internal(internal)  # the failed child's siblings (n > 1)
+            self._abort_silently([internal])  # the failed child's siblings (n > 1)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             if queue is not None and not finished:
-                self._abort_internal(internal)  # no await here: this also runs in aclose()
+                self._abort_silently([internal])  # no await here: this also runs in aclose()
             raise
         finally:
             if self._running.get(request_id) == internal:
@@ -148,29 +141,12 @@ class AsyncLLM:
         request, prompt_text = await self.input_processor.process_async(internal, prompt, params, arrival_time)
         self._check_alive()
         queue = RequestOutputCollector(params.output_kind)
-        op, client = self.output_processor, self.engine_core
-        if request.sampling_params.n == 1:
-            op.add_request(request, prompt_text, None, 0, queue)
-            children = [request]
-        else:
-            parent = ParentRequest(internal, request.sampling_params)
-            children = [parent.make_child_request(request, i) for i in range(parent.n)]
-            for i, child in enumerate(children):
-                op.add_request(child, prompt_text, parent, i, queue)
         try:
-            for child in children:
-                client.add_request(child)
+            self._send(request, prompt_text, queue)
         except BaseException:
-            self._abort_internal(internal)
+            self._abort_silently([internal])
             raise
         return queue
-
-    def _abort_internal(self, internal: str) -> None:
-        ids = self.output_processor.abort_requests([internal])
-        try:
-            self.engine_core.abort_requests(ids)
-        except Exception as e:  # the core is gone or shut down: nothing left to abort there
-            logger.debug("abort of %s not sent: %s", internal, e)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """End these requests' streams normally (finish_reason "abort", partial output) and
@@ -192,13 +168,11 @@ class AsyncLLM:
         self._handler = loop.create_task(self._output_handler(), name="tidal-output-handler")
 
     async def _output_handler(self) -> None:
-        client, op = self.engine_core, self.output_processor
-        since_yield = 0
+        client, since_yield = self.engine_core, 0
         try:
             while True:
                 outputs = (await client.get_output_async()).outputs
                 n = len(outputs)
-                to_abort: list[str] = []
                 for start in range(0, n, _OUTPUT_SLICE):
                     if since_yield >= _YIELD_EVERY:
                         # A message that was already waiting is returned without suspending, so
@@ -207,29 +181,28 @@ class AsyncLLM:
                         await asyncio.sleep(0)
                     chunk = outputs if n <= _OUTPUT_SLICE else outputs[start:start + _OUTPUT_SLICE]
                     since_yield += len(chunk)
-                    to_abort += op.process_outputs(chunk).reqs_to_abort
-                if to_abort:  # finished by a stop string in the front-end
-                    client.abort_requests(to_abort)
+                    self._process_outputs(chunk)  # into the requests' collectors
         except asyncio.CancelledError:
             raise
         except EngineDeadError:
-            pass  # the client marked itself dead; _on_core_dead told every stream
+            pass  # the client marked itself dead; its dead callback told every stream
         except Exception as e:
             logger.exception("AsyncLLM output handler failed")
             client.mark_dead(f"the front-end output handler failed: {type(e).__name__}: {e}")
 
-    def _on_core_dead(self, exc: EngineDeadError) -> None:
-        """From the watcher thread or the output handler: fail every open stream, now."""
+    def _in_loop(self, fn: Callable[[EngineDeadError], None], exc: EngineDeadError) -> None:
+        """Run `fn(exc)` on the event loop's thread: now if this is it, else as soon as the loop
+        gets to it. Nothing when no live loop ever opened a stream (there is none to fail)."""
         loop = self._loop
         if loop is None or loop.is_closed():
-            return  # no stream was ever opened in a live loop
+            return
         if threading.get_ident() == self._loop_thread:
-            self._fail_streams(exc)
-        else:
-            try:
-                loop.call_soon_threadsafe(self._fail_streams, exc)
-            except RuntimeError:  # the loop closed in between
-                pass
+            fn(exc)
+            return
+        try:
+            loop.call_soon_threadsafe(fn, exc)
+        except RuntimeError:  # the loop closed in between
+            pass
 
     def _fail_streams(self, exc: EngineDeadError) -> None:
         self.output_processor.propagate_error(exc)
@@ -254,32 +227,12 @@ class AsyncLLM:
         return self.output_processor.get_num_unfinished_requests()
 
     # ---------------------------------------------------------------- shutdown
-    def shutdown(self) -> None:
-        """Stop the engine core and fail open streams with EngineDeadError; idempotent."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        exc = EngineDeadError("the engine was shut down")
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            if threading.get_ident() == self._loop_thread:
-                self._fail_streams(exc)
-            else:
-                try:
-                    loop.call_soon_threadsafe(self._fail_streams, exc)
-                except RuntimeError:
-                    pass
-        # A headless core keeps running: tell it to drop this front-end's requests.
-        self.engine_core.shutdown(abort=list(self.output_processor.request_states))
+    def _on_shutdown(self) -> None:
+        """Open streams end with EngineDeadError."""
+        self._in_loop(self._fail_streams, EngineDeadError("the engine was shut down"))
 
     async def __aenter__(self) -> "AsyncLLM":
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass

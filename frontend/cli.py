@@ -13,9 +13,13 @@ import os
 import sys
 
 from tidal.frontend.engine_args import add_engine_args, config_from_args
+from tidal.protocol.utils import setup_logging
 
 DEFAULT_CORE_ADDRESS = "tcp://127.0.0.1:5570"
 DEFAULT_PROMPT = "Hello, my name is"
+# make-model's int options: each a --flag and a make_model keyword of the same name.
+_MAKE_MODEL_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "max_position_embeddings", "seed")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -69,10 +73,7 @@ def _cmd_core(args: argparse.Namespace) -> int:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from tidal.frontend.make_model import make_model
 
-    kwargs = {k: getattr(args, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
-                                              "num_kv_heads", "head_dim", "intermediate_size",
-                                              "max_position_embeddings", "seed", "dtype")
-              if getattr(args, k) is not None}
+    kwargs = {k: v for k in (*_MAKE_MODEL_INTS, "dtype") if (v := getattr(args, k)) is not None}
     path = make_model(args.dir, args.arch, **kwargs)
     print(os.path.abspath(path))
     return 0
@@ -104,11 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk = sub.add_parser("make-model", help="write a tiny random HF checkpoint + tokenizer")
     mk.add_argument("dir")
     mk.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen2", "mistral"])
-    for flag, typ in (("--vocab-size", int), ("--hidden-size", int), ("--num-layers", int),
-                      ("--num-heads", int), ("--num-kv-heads", int), ("--head-dim", int),
-                      ("--intermediate-size", int), ("--max-position-embeddings", int),
-                      ("--seed", int)):
-        mk.add_argument(flag, type=typ, default=None)
+    for name in _MAKE_MODEL_INTS:
+        mk.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     mk.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     mk.set_defaults(func=_cmd_make_model)
     return parser
@@ -116,8 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(f"tidal {args.command}")
     try:
         code = args.func(args)
     except KeyboardInterrupt:

@@ -17,7 +17,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import time
 import uuid
 from typing import Any, Callable
 
@@ -30,23 +29,23 @@ from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    HELLO,
     SchedulerStats,
     UtilityOutput,
     UtilityRequest,
 )
+from tidal.protocol.utils import Deadline
 from tidal.protocol.zmq_utils import make_socket
 
 logger = logging.getLogger(__name__)
 
-HELLO = "hello"  # core_proc.HELLO; not imported, so that the front-end never imports tidal.core
 _ADD, _ABORT, _UTILITY = (t.value for t in EngineCoreRequestType)
 _POLL_MS = 100  # longest single wait; every loop around a wait re-checks death and deadlines
 UTILITY_TIMEOUT_S = 60.0
-_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats, "get_info": ResolvedEngineInfo}
+_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats}
 
 
 def convert_result(method: str, result: Any) -> Any:
@@ -56,33 +55,27 @@ def convert_result(method: str, result: Any) -> Any:
 
 
 class InprocClient:
-    """EngineCore in this process behind the same interface as SyncMPClient."""
+    """EngineCore in this process behind the same interface as SyncMPClient. Its requests carry
+    no client identity (client_index None), so every output of a step is this client's."""
 
     def __init__(self, config: EngineConfig) -> None:
         from tidal.core.engine_core import EngineCore  # only this mode imports the core
 
         self.engine = EngineCore(config)
         self.info: ResolvedEngineInfo = self.engine.info
-        self._errors: list[EngineCoreOutput] = []  # rejections, delivered with the next output
 
     def wait_ready(self) -> ResolvedEngineInfo:
         return self.info
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        err = self.engine.add_request(request)
-        if err is not None:
-            self._errors.append(err)
+        self.engine.add_request(request)  # a rejection comes out of the next step
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._errors.extend(self.engine.abort_requests(request_ids))
+        self.engine.abort_requests(request_ids)
 
     def get_output(self, timeout_s: float = 0.0) -> EngineCoreOutputs | None:
-        out = self.engine.step()
-        if self._errors:
-            out.outputs.extend(self._errors)
-            self._errors = []
-        return out
+        """Runs one step; None when it had nothing to say."""
+        return self.engine.step().get(None)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return convert_result(method, msgspec.to_builtins(self.engine.call_utility(method, list(args))))
@@ -144,7 +137,7 @@ class _MPClientBase:
         call_id = next(self._call_ids)
         sock.send_multipart([_UTILITY, *self._encoder.encode(UtilityRequest(call_id, HELLO))])
         timeout_s = self.config.engine_start_timeout_s
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline(timeout_s)
         while True:
             if sock.poll(_POLL_MS):
                 try:
@@ -162,7 +155,7 @@ class _MPClientBase:
                 continue
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"engine core failed to start: {self.process.startup_error()}")
-            if time.monotonic() > deadline:
+            if deadline.expired():
                 raise RuntimeError(
                     f"engine core failed to start: no handshake from {self.address} within "
                     f"{timeout_s:g}s (engine_start_timeout_s)")
@@ -243,24 +236,23 @@ class SyncMPClient(_MPClientBase):
         """The next step's outputs, or None after timeout_s; EngineDeadError once dead."""
         if self._pending:
             return self._pending.popleft()
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline(timeout_s)
         while True:
             self.check_dead()
-            wait_ms = max(0, min(_POLL_MS, int((deadline - time.monotonic()) * 1000)))
-            if self.sock.poll(wait_ms):
+            if self.sock.poll(deadline.remaining_ms(_POLL_MS)):
                 outs = self._decode(self.sock.recv_multipart(copy=False))
                 self.check_dead()
                 if outs.utility_output is None:
                     return outs
-            elif time.monotonic() >= deadline:
+            elif deadline.expired():
                 return None
 
     def call_utility(self, method: str, *args: Any, timeout_s: float = UTILITY_TIMEOUT_S) -> Any:
         self.check_dead()
         call_id = next(self._call_ids)
         self.sock.send_multipart(self._encode(_UTILITY, UtilityRequest(call_id, method, list(args))))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        deadline = Deadline(timeout_s)
+        while not deadline.expired():
             self.check_dead()
             if not self.sock.poll(_POLL_MS):
                 continue
@@ -358,5 +350,3 @@ def _log_send_failure(fut: "asyncio.Future[Any]") -> None:
     if not fut.cancelled() and fut.exception() is not None:
         logger.error("sending to the engine core failed: %s", fut.exception())
 
-
-EngineCoreClient = InprocClient | SyncMPClient

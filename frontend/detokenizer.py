@@ -1,4 +1,5 @@
-"""Incremental detokenization: token ids in, newly *complete* text out (vLLM V1's detokenizer).
+"""Incremental detokenization: token ids in, newly *complete* text out (vLLM V1's detokenizer);
+stop strings found in that text; logprobs with their tokens' text.
 
 Byte-level BPE tokens can split a multi-byte UTF-8 character; the bytes are held back until the
 character is complete, so a streamed chunk never ends in half a character. The concatenation of
@@ -11,13 +12,17 @@ every `update()` plus the final `flush()` equals `tokenizer.decode(all_ids, skip
 
 The stream is primed with a few prompt tokens (as vLLM does) so that decoders which strip the
 first token's leading space (SentencePiece/Metaspace) see the context the output continues.
+
+`step()`, per core output, adds stop strings (`check_stop_strings`): while streaming, the last
+len(longest stop) - 1 characters are held back, since they may begin one.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from tidal.protocol.messages import EngineCoreRequest, LogprobsArrays
-from tidal.protocol.outputs import Logprob
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsArrays
+from tidal.protocol.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 try:  # tokenizers >= 0.21
     from tokenizers import Tokenizer as _RustTokenizer
@@ -31,7 +36,11 @@ _REPLACEMENT_CHAR = "\ufffd"
 _PRIME_MIN_TOKENS = 4
 _PRIME_MAX_TOKENS = 24
 
+_STOP = FinishReason.STOP
+_DELTA, _CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE
+
 DecodeFn = Callable[[list[int]], str]
+TokenText = Callable[[int], str]
 
 
 def rust_backend(tokenizer: Any) -> Any | None:
@@ -62,10 +71,36 @@ def _select_prime(decode: DecodeFn, prompt_token_ids: list[int]) -> list[int]:
     return []
 
 
-class IncrementalDetokenizer:
-    """Base class, and the no-op detokenizer of a `detokenize=False` request."""
+def check_stop_strings(text: str, new_chars: int, stop: Sequence[str],
+                       include_in_output: bool) -> tuple[str, int] | None:
+    """The stop string that starts earliest among those ending in the last `new_chars`
+    characters of `text` (the text before was searched already), and the length to cut `text`
+    to: after the stop string when `include_in_output`, else before it. None when there is none."""
+    new_start = len(text) - new_chars
+    best, best_s = -1, ""
+    for s in stop:
+        i = text.find(s, max(new_start - len(s) + 1, 0))  # it must end in the new text
+        if i != -1 and (best == -1 or i < best):
+            best, best_s = i, s
+    if best == -1:
+        return None
+    return best_s, best + len(best_s) if include_in_output else best
 
-    __slots__ = ()
+
+class IncrementalDetokenizer:
+    """Base class, and the no-op detokenizer of a `detokenize=False` request (whose stop
+    strings, with no text, never match). Subclasses decode (`update`, `flush`); this class finds
+    stop strings in what they decode (`step`)."""
+
+    __slots__ = ("_stop", "_include_stop", "_hold", "_min_tokens", "_num_tokens", "_held")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self._stop: tuple[str, ...] = tuple(params.stop or ())
+        self._include_stop = params.include_stop_str_in_output
+        self._hold = max(map(len, self._stop), default=1) - 1
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0  # counted only with stop strings (for min_tokens)
+        self._held = ""  # decoded text held back (at most _hold characters between steps)
 
     def update(self, new_token_ids: list[int]) -> str:
         """Consume new token ids; return only the text they complete."""
@@ -75,15 +110,38 @@ class IncrementalDetokenizer:
         """At the end of the request: whatever is still held back (incomplete bytes as U+FFFD)."""
         return ""
 
+    def step(self, new_token_ids: list[int], finish: FinishReason | None) -> tuple[str, str | None]:
+        """One core output: (the text to release now, the stop string that ends the request or
+        None). The core's stop token (the last id of a STOP finish) shows no text unless
+        include_stop_str_in_output; at the finish, everything held back is released."""
+        if finish is None:
+            text = self.update(new_token_ids)
+        elif finish == _STOP and new_token_ids and not self._include_stop:
+            text = self.update(new_token_ids[:-1]) + self.flush()
+        else:
+            text = self.update(new_token_ids) + self.flush()
+        if not self._stop:
+            return text, None
+        self._num_tokens += len(new_token_ids)
+        pending = self._held + text if self._held else text
+        found = None
+        if text and self._num_tokens > self._min_tokens:  # no stop string within min_tokens
+            hit = check_stop_strings(pending, len(text), self._stop, self._include_stop)
+            if hit is not None:
+                found, end = hit
+                pending = pending[:end]
+        end = len(pending) if finish is not None or found is not None else max(len(pending) - self._hold, 0)
+        self._held = pending[end:]
+        return pending[:end], found
+
     @staticmethod
     def from_request(tokenizer: Any | None, request: EngineCoreRequest) -> "IncrementalDetokenizer":
         params = request.sampling_params
         if tokenizer is None or not params.detokenize:
-            return IncrementalDetokenizer()
-        skip = params.skip_special_tokens
+            return IncrementalDetokenizer(params)
         if _DecodeStream is not None and rust_backend(tokenizer) is not None:
-            return FastIncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip)
-        return SlowIncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip)
+            return FastIncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
+        return SlowIncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
 
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
@@ -91,10 +149,11 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
     __slots__ = ("_backend", "_decode", "_stream", "_prime", "_token_ids", "_emitted", "_pending")
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        super().__init__(params)
         self._backend = rust_backend(tokenizer)
-        self._decode = make_decode_fn(tokenizer, skip_special_tokens)
-        self._stream: Any = _DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._decode = make_decode_fn(tokenizer, params.skip_special_tokens)
+        self._stream: Any = _DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._prime = _select_prime(self._decode, prompt_token_ids)
         self._token_ids: list[int] = []
         emitted = 0
@@ -160,8 +219,9 @@ class SlowIncrementalDetokenizer(IncrementalDetokenizer):
 
     __slots__ = ("_decode", "_ids", "_prefix_offset", "_read_offset")
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
-        self._decode = make_decode_fn(tokenizer, skip_special_tokens)
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        super().__init__(params)
+        self._decode = make_decode_fn(tokenizer, params.skip_special_tokens)
         self._ids = _select_prime(self._decode, prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -205,8 +265,7 @@ class TokenTexts:
         return text
 
 
-def logprobs_to_dicts(arrays: LogprobsArrays, token_text: Callable[[int], str] | None
-                      ) -> tuple[list[dict[int, Logprob]], float]:
+def logprobs_to_dicts(arrays: LogprobsArrays, token_text: TokenText | None) -> tuple[SampleLogprobs, float]:
     """Rows of [chosen, top-1..top-k] to dicts (chosen first, its rank from `ranks`, top-j
     ranked j); plus the sum of the chosen tokens' logprobs."""
     rows: list[dict[int, Logprob]] = []
@@ -220,3 +279,46 @@ def logprobs_to_dicts(arrays: LogprobsArrays, token_text: Callable[[int], str] |
         total += lps[0]
         rows.append(row)
     return rows, total
+
+
+class LogprobsAccumulator:
+    """One request's logprobs (vLLM's LogprobsProcessor): rows as dicts, each output getting
+    what its kind shows (DELTA the rows not sent yet, CUMULATIVE a snapshot of all, FINAL_ONLY
+    all: it is sent once). None for what was not requested."""
+
+    __slots__ = ("_rows", "_sent", "_cumulative", "_prompt", "_prompt_sent", "_kind", "_token_text")
+
+    def __init__(self, params: SamplingParams, token_text: TokenText | None) -> None:
+        want = params.logprobs is not None
+        self._rows: SampleLogprobs | None = [] if want else None
+        self._cumulative: float | None = 0.0 if want else None
+        # Position 0 has no logprob (nothing precedes it), as in vLLM.
+        self._prompt: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        self._sent = self._prompt_sent = 0  # DELTA: rows already handed out
+        self._kind = params.output_kind
+        self._token_text = token_text
+
+    def add(self, out: EngineCoreOutput) -> None:
+        if out.new_logprobs is not None and self._rows is not None:
+            rows, total = logprobs_to_dicts(out.new_logprobs, self._token_text)
+            self._rows.extend(rows)
+            self._cumulative += total  # type: ignore[operator]
+        if out.new_prompt_logprobs is not None and self._prompt is not None:
+            self._prompt.extend(logprobs_to_dicts(out.new_prompt_logprobs, self._token_text)[0])
+
+    def sample(self) -> tuple[SampleLogprobs | None, float | None]:
+        """(the sample rows this output shows, the cumulative logprob)."""
+        rows = self._rows
+        if rows is not None and self._kind == _DELTA:
+            rows, self._sent = rows[self._sent:], len(rows)
+        elif rows is not None and self._kind == _CUMULATIVE:
+            rows = rows[:]
+        return rows, self._cumulative
+
+    def prompt(self) -> PromptLogprobs | None:
+        """The prompt rows this output shows (DELTA: those not sent yet, None once all were)."""
+        rows = self._prompt
+        if rows is None or self._kind != _DELTA:
+            return rows
+        rows, self._prompt_sent = rows[self._prompt_sent:], len(rows)
+        return rows or None

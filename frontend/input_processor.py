@@ -14,6 +14,7 @@ from typing import Any
 
 from tidal.frontend.detokenizer import rust_backend
 from tidal.protocol.messages import EngineCoreRequest
+from tidal.protocol.request_rules import RequestLimits, check_request
 from tidal.protocol.sampling_params import SamplingParams
 
 # Drawn seeds stay below 2**63 with room for the n > 1 children's seed + i.
@@ -46,9 +47,7 @@ class InputProcessor:
         """`eos_token_id` overrides the tokenizer's/generation_config's (a list: the first is the
         EOS, the others become stop token ids, as vLLM does with generation_config)."""
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.max_logprobs = max_logprobs
+        self.limits = RequestLimits(max_model_len, vocab_size, max_logprobs)
         if eos_token_id is None:
             eos_ids = _generation_config_eos(tokenizer) if tokenizer is not None else []
             tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -106,34 +105,12 @@ class InputProcessor:
             raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
         return list(self._encode(text))
 
-    # --------------------------------------------------------------- validation
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        n, limit = len(ids), self.max_model_len
-        if n == 0:
-            raise ValueError("the prompt is empty: it must hold at least one token")
-        if n > limit:
-            raise ValueError(f"prompt length {n} exceeds max_model_len {limit}")
-        if params.max_tokens is None:
-            if n >= limit:
-                raise ValueError(f"prompt length {n} leaves no room to generate within "
-                                 f"max_model_len {limit}")
-        elif n + params.max_tokens > limit:
-            raise ValueError(f"prompt length {n} + max_tokens {params.max_tokens} exceeds "
-                             f"max_model_len {limit}")
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"prompt token id {lo if lo < 0 else hi} is out of vocabulary "
-                             f"range [0, {self.vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > self.max_logprobs:
-                raise ValueError(f"requested {name}={k} exceeds max_logprobs {self.max_logprobs}")
-
     # ------------------------------------------------------------------ process
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams,
                 arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
         """Validated `EngineCoreRequest` (sampling params cloned, never mutated) and the prompt
-        text (None for a token-id prompt). n > 1 stays in the params: fan out with ParentRequest."""
+        text (None for a token-id prompt). n > 1 stays in the params (OutputProcessor.add_request
+        fans it out). The request rules are `check_request`'s, the core's too."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if not isinstance(params, SamplingParams):
@@ -141,7 +118,6 @@ class InputProcessor:
         text, ids = self._parse_prompt(prompt)
         if ids is None:
             ids = self._tokenize(text)  # type: ignore[arg-type]
-        self._validate(ids, params)
         changes: dict[str, Any] = {}
         if params.seed is None:
             changes["seed"] = random.randrange(_SEED_LIMIT)
@@ -151,6 +127,9 @@ class InputProcessor:
             if extra:
                 changes["stop_token_ids"] = stop_ids + extra
         params = params.clone(**changes)
+        problem = check_request(ids, params, self.limits, self.eos_token_id)
+        if problem is not None:
+            raise ValueError(problem)
         request = EngineCoreRequest(request_id, ids, params, self.eos_token_id,
                                     time.time() if arrival_time is None else arrival_time)
         return request, text

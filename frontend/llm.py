@@ -10,16 +10,15 @@ process behind the same client interface (InprocClient), which is easier to debu
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from typing import Any, Sequence
 
 from tidal.frontend.core_client import InprocClient, SyncMPClient
-from tidal.frontend.output_processor import ParentRequest
-from tidal.frontend.tokenizer_utils import start_front_end
+from tidal.frontend.engine_setup import FrontEnd
+from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.errors import EngineGenerateError
-from tidal.protocol.messages import EngineCoreRequest, SchedulerStats
+from tidal.protocol.messages import SchedulerStats
 from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,30 +26,17 @@ PromptType = str | dict
 _OUTPUT_WAIT_S = 1.0  # one wait for the next step; death is re-checked at least every 100 ms
 
 
-def multiprocessing_enabled() -> bool:
-    return os.environ.get("TIDAL_ENABLE_MULTIPROCESSING", "1").strip().lower() not in ("0", "false", "no")
-
-
-class LLM:
+class LLM(FrontEnd[InprocClient | SyncMPClient]):
     def __init__(self, model: str | None = None, *, multiprocessing: bool | None = None,
                  **engine_args: Any) -> None:
         """`engine_args` are EngineConfig fields (vLLM's names); unknown names raise TypeError."""
-        self._closed = True  # until set up (so that a failed __init__ leaves __del__ harmless)
         config = EngineConfig.from_kwargs(model, **engine_args)
         if multiprocessing is None:
-            multiprocessing = multiprocessing_enabled() or config.core_address is not None
+            multiprocessing = envs.TIDAL_ENABLE_MULTIPROCESSING or config.core_address is not None
         elif not multiprocessing and config.core_address is not None:
             raise ValueError("core_address needs multiprocessing: the core is another process")
-        self.config = config
-        client_cls: type[InprocClient] | type[SyncMPClient] = SyncMPClient if multiprocessing else InprocClient
-        parts = start_front_end(config, client_cls)
-        self._client: InprocClient | SyncMPClient = parts.client
-        self.tokenizer: Any = parts.tokenizer
-        self.info = parts.info
-        self.input_processor = parts.input_processor
-        self.output_processor = parts.output_processor
-        self._ids = itertools.count()
-        self._closed = False
+        self._ids = itertools.count()  # request ids: unique, so never running twice
+        self._start(config, SyncMPClient if multiprocessing else InprocClient)
 
     # ------------------------------------------------------------------ public
     def get_tokenizer(self) -> Any:
@@ -59,14 +45,14 @@ class LLM:
     @property
     def llm_engine(self) -> InprocClient | SyncMPClient:
         """The engine-core client: `call_utility(method, *args)`, `get_stats()`."""
-        return self._client
+        return self.engine_core
 
     def get_stats(self) -> SchedulerStats:
-        return self._client.call_utility("get_stats")
+        return self.engine_core.call_utility("get_stats")
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's name); False if blocks are still in use."""
-        return bool(self._client.call_utility("reset_prefix_cache"))
+        return bool(self.engine_core.call_utility("reset_prefix_cache"))
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -87,11 +73,11 @@ class LLM:
         order = {req.request_id: i for i, (req, _) in enumerate(requests)}
         try:
             for req, text in requests:
-                self._add(req, text)
+                self._send(req, text)
             return self._run(order, use_tqdm)
         except BaseException:
             # Ctrl-C, a dead core or a failed request: leave no request behind in either process.
-            self._abort_all()
+            self._abort_silently(list(self.output_processor.request_states))
             raise
 
     # ----------------------------------------------------------------- helpers
@@ -112,32 +98,16 @@ class LLM:
         raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
                          f"got {type(sampling_params).__name__}")
 
-    def _add(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
-        params = request.sampling_params
-        if params.n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self._client.add_request(request)
-            return
-        parent = ParentRequest(request.request_id, params)
-        children = [parent.make_child_request(request, i) for i in range(parent.n)]
-        for i, child in enumerate(children):
-            self.output_processor.add_request(child, prompt_text, parent, i)
-        for child in children:
-            self._client.add_request(child)
-
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
         bar = _ProgressBar(len(order)) if use_tqdm else None
-        op, client = self.output_processor, self._client
+        op, client = self.output_processor, self.engine_core
         try:
             while op.has_unfinished_requests():
                 outs = client.get_output(_OUTPUT_WAIT_S)
                 if outs is None or not outs.outputs:
                     continue
-                processed = op.process_outputs(outs.outputs)
-                if processed.reqs_to_abort:  # finished by a stop string in the front-end
-                    client.abort_requests(processed.reqs_to_abort)
-                for out in processed.request_outputs:
+                for out in self._process_outputs(outs.outputs):
                     if isinstance(out, Exception):
                         raise out if isinstance(out, EngineGenerateError) else EngineGenerateError(str(out))
                     if out.finished and out.request_id in order:
@@ -149,31 +119,11 @@ class LLM:
                 bar.close()
         return [r for r in results if r is not None]
 
-    def _abort_all(self) -> None:
-        ids = self.output_processor.abort_requests(list(self.output_processor.request_states))
-        try:
-            self._client.abort_requests(ids)
-        except Exception:
-            pass  # a dead core has nothing left to abort
-
-    # ---------------------------------------------------------------- shutdown
-    def shutdown(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        self._client.shutdown()
-
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass
 
 
 class _ProgressBar:

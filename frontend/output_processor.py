@@ -1,27 +1,32 @@
-"""Front-end output processing (vLLM V1's output_processor.py and parallel_sampling.py).
+"""Front-end output processing (vLLM V1's output_processor.py).
 
-Per engine-core output: detokenize, check stop strings, accumulate logprobs, and build the
-user's `RequestOutput` for the request's output kind; then put it in the request's queue
-(`AsyncLLM`) or return it (`LLM`). Fans n > 1 requests out to children and aggregates them.
+Per engine-core output: the request's detokenizer releases text and finds stop strings, its
+logprobs accumulator collects rows, and its state builds the user's `CompletionOutput` for its
+output kind; the `RequestOutput` goes in the request's queue (`AsyncLLM`) or is returned
+(`LLM`). `add_request` fans n > 1 requests out to children, whose outputs are aggregated here.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-from tidal.frontend.detokenizer import IncrementalDetokenizer, TokenTexts, logprobs_to_dicts
+from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulator, TokenText, TokenTexts
+from tidal.frontend.parallel_sampling import ParentRequest
 from tidal.protocol.errors import EngineGenerateError
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsArrays
-from tidal.protocol.outputs import CompletionOutput, Logprob, RequestOutput
-from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
+from tidal.protocol.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason
+from tidal.protocol.outputs import CompletionOutput, RequestOutput, RequestStateStats
+from tidal.protocol.sampling_params import RequestOutputKind
 
 _DELTA = RequestOutputKind.DELTA
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
-_STOP = FinishReason.STOP
 _FINISH_STR = {r: str(r) for r in FinishReason}
+_STOP_STR = str(FinishReason.STOP)
+_QUEUED, _SCHEDULED = int(EngineCoreEventType.QUEUED), int(EngineCoreEventType.SCHEDULED)
+_NO_LOGPROBS: tuple[None, None] = (None, None)
 _MAX_AWAITING = 4096
-TokenText = Callable[[int], str]
 
 
 class RequestOutputCollector:
@@ -69,6 +74,7 @@ class RequestOutputCollector:
 def _merge_request_output(current: RequestOutput, new: RequestOutput, aggregate: bool) -> None:
     current.finished = new.finished
     current.num_cached_tokens = new.num_cached_tokens
+    current.metrics = new.metrics
     if new.prompt_logprobs is not None:
         current.prompt_logprobs = (current.prompt_logprobs + new.prompt_logprobs if aggregate
                                    and current.prompt_logprobs is not None else new.prompt_logprobs)
@@ -92,168 +98,117 @@ def _merge_request_output(current: RequestOutput, new: RequestOutput, aggregate:
             outputs.sort(key=lambda c: c.index)
 
 
-class ParentRequest:
-    """An n > 1 request fanned out to n children `f"{index}_{parent_id}"`, child i seeded
-    `seed + i`; aggregates their CompletionOutputs under the parent's id."""
-
-    __slots__ = ("request_id", "sampling_params", "n", "child_requests", "output_aggregator")
-
-    def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
-        self.request_id, self.sampling_params, self.n = request_id, sampling_params, sampling_params.n
-        self.child_requests: set[str] = set()  # children not finished yet
-        self.output_aggregator: list[CompletionOutput | None] = [None] * self.n
-
-    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
-        seed = self.sampling_params.seed
-        params = self.sampling_params.clone(n=1, seed=None if seed is None else seed + index)
-        return f"{index}_{self.request_id}", params
-
-    def make_child_request(self, request: EngineCoreRequest, index: int) -> EngineCoreRequest:
-        """The child `EngineCoreRequest` of the parent's (processed) request."""
-        child_id, params = self.get_child_info(index)
-        return EngineCoreRequest(child_id, request.prompt_token_ids, params,
-                                 request.eos_token_id, request.arrival_time)
-
-    def get_outputs(self, child_request_id: str,
-                    completion: CompletionOutput) -> tuple[list[CompletionOutput], bool]:
-        """(outputs to emit now, whether the parent is finished)."""
-        if completion.finish_reason is not None:
-            self.child_requests.discard(child_request_id)
-        finished = not self.child_requests
-        if self.sampling_params.output_kind != _FINAL_ONLY:
-            return [completion], finished
-        self.output_aggregator[completion.index] = completion
-        if not finished:
-            return [], False
-        return [c for c in self.output_aggregator if c is not None], True
-
-
 class RequestState:
-    """Front-end state of one (child) request."""
+    """Front-end state of one (child) request: its detokenizer (text and stop strings), its
+    logprobs, its stats; a subclass per output kind builds the completions (`_completion`)."""
 
-    __slots__ = (
-        "request_id", "external_req_id", "parent", "index", "queue", "prompt", "prompt_token_ids",
-        "output_kind", "detokenizer", "stop", "include_stop", "hold", "min_tokens", "pending",
-        "text", "text_parts", "token_ids", "num_tokens", "logprobs", "lp_parts", "lp_sent",
-        "cumulative_logprob", "prompt_logprobs", "plp_sent", "num_cached_tokens", "token_text",
-    )
+    __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
+                 "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats",
+                 "text", "text_parts", "token_ids")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
                  index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
-                 token_text: TokenText | None) -> None:
+                 token_text: TokenText | None, log_stats: bool) -> None:
         params, self.request_id = request.sampling_params, request.request_id
         self.external_req_id = parent.request_id if parent is not None else request.request_id
         self.parent, self.index, self.queue = parent, index, queue
         self.prompt, self.prompt_token_ids = prompt, request.prompt_token_ids
-        self.output_kind = params.output_kind
         self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request)
-        self.stop: tuple[str, ...] = tuple(params.stop or ()) if tokenizer is not None else ()
-        self.include_stop = params.include_stop_str_in_output
-        # Characters held back while streaming: they could be the start of a stop string (also
-        # with include_stop_str_in_output: the held text is the stop search's window).
-        self.hold = max(map(len, self.stop)) - 1 if self.stop else 0
-        self.min_tokens = params.min_tokens
-        self.pending = ""  # decoded text not released yet (stop-string hold-back)
+        self.logprobs = (LogprobsAccumulator(params, token_text if params.detokenize else None)
+                         if params.logprobs is not None or params.prompt_logprobs is not None else None)
+        self.num_cached_tokens = 0
+        self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
         self.text = ""  # released text (CUMULATIVE)
-        self.text_parts: list[str] = []  # released text (FINAL_ONLY)
+        self.text_parts: list[str] = []  # released text (FINAL_ONLY: joined once)
         self.token_ids: list[int] = []  # all output ids (not kept for DELTA)
-        self.num_tokens = 0
-        want_lp = params.logprobs is not None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if want_lp else None
-        self.lp_parts: list[LogprobsArrays] = []  # not converted yet
-        self.cumulative_logprob: float | None = 0.0 if want_lp else None
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
-        self.lp_sent = self.plp_sent = self.num_cached_tokens = 0
-        self.token_text = token_text if params.detokenize else None
 
-    def update(self, out: EngineCoreOutput) -> tuple[CompletionOutput | None, bool]:
-        """Apply one core output. Returns (completion to emit or None, stopped by a stop string)."""
-        new_ids, finish, stop_reason = out.new_token_ids, out.finish_reason, out.stop_reason
-        n_new = len(new_ids)
-        self.num_tokens += n_new
-        kind = self.output_kind
-        if kind != _DELTA and n_new:
-            self.token_ids.extend(new_ids)
+    def update(self, out: EngineCoreOutput) -> CompletionOutput | None:
+        """Apply one core output; returns the completion to emit, if any. A finished completion
+        for an output the core did not finish was ended by a stop string, here."""
+        new_ids, finish = out.new_token_ids, out.finish_reason
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
-        # 1) Text. A stop token's own text is left out unless include_stop_str_in_output.
-        detok = self.detokenizer
-        if finish is not None and finish == _STOP and n_new and not self.include_stop:
-            text = detok.update(new_ids[:-1]) if n_new > 1 else ""
-        else:
-            text = detok.update(new_ids)
-        if finish is not None:
-            text += detok.flush()
-        stopped = False
-        if self.stop:
-            pending = self.pending + text if self.pending else text
-            if text and self.num_tokens > self.min_tokens:
-                # The earliest stop string that ends inside the new text.
-                new_start = len(pending) - len(text)
-                start = new_start - self.hold if new_start > self.hold else 0
-                best, best_s = -1, ""
-                for stop_s in self.stop:
-                    i = pending.find(stop_s, start)
-                    while i != -1 and i + len(stop_s) <= new_start:  # older, unchecked text
-                        i = pending.find(stop_s, i + 1)
-                    if i != -1 and (best == -1 or i < best):
-                        best, best_s = i, stop_s
-                if best != -1:
-                    pending = pending[:best + len(best_s) if self.include_stop else best]
-                    finish, stop_reason, stopped = _STOP, best_s, True
-            cut = len(pending) - self.hold if finish is None else len(pending)
-            cut = max(cut, 0)
-            text, self.pending = pending[:cut], pending[cut:]
-        # 2) Logprobs arrive as arrays; converted only when an output needs them.
-        if out.new_logprobs is not None and self.logprobs is not None:
-            self.lp_parts.append(out.new_logprobs)
-        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
-            self.prompt_logprobs.extend(logprobs_to_dicts(out.new_prompt_logprobs, self.token_text)[0])
-        # 3) The completion for this output kind.
+        text, stop_str = self.detokenizer.step(new_ids, finish)
+        if self.logprobs is not None:
+            self.logprobs.add(out)
+        if self.stats is not None:
+            _record_stats(self.stats, out)
+        if stop_str is not None:
+            return self._completion(text, new_ids, _STOP_STR, stop_str)
         if finish is None:
-            if kind == _FINAL_ONLY:
-                if text:
-                    self.text_parts.append(text)
-                return None, False
-            if not n_new:
-                return None, False  # e.g. a prompt-logprobs chunk of a chunked prefill
-        logprobs = None if self.logprobs is None else self._take_logprobs(kind)
-        finish_str = None if finish is None else _FINISH_STR[finish]
-        stop_reason = None if finish is None else stop_reason
-        if kind == _DELTA:
-            return CompletionOutput(self.index, text, new_ids, self.cumulative_logprob, logprobs,
-                                    finish_str, stop_reason), stopped
-        if kind == _FINAL_ONLY:
-            self.text_parts.append(text)
-            return CompletionOutput(self.index, "".join(self.text_parts), self.token_ids,
-                                    self.cumulative_logprob, logprobs, finish_str, stop_reason), stopped
+            return self._completion(text, new_ids, None, None)
+        return self._completion(text, new_ids, _FINISH_STR[finish], out.stop_reason)
+
+    def _completion(self, text: str, new_ids: list[int], finish: str | None,
+                    stop_reason: int | str | None) -> CompletionOutput | None:
+        raise NotImplementedError
+
+
+class _DeltaState(RequestState):
+    """DELTA: only what is new (nothing is kept)."""
+
+    __slots__ = ()
+
+    def _completion(self, text: str, new_ids: list[int], finish: str | None,
+                    stop_reason: int | str | None) -> CompletionOutput | None:
+        if finish is None and not new_ids:
+            return None  # e.g. a prompt-logprobs chunk of a chunked prefill
+        logprobs, cumulative = _NO_LOGPROBS if self.logprobs is None else self.logprobs.sample()
+        return CompletionOutput(self.index, text, new_ids, cumulative, logprobs, finish, stop_reason)
+
+
+class _CumulativeState(RequestState):
+    """CUMULATIVE: everything so far; an output is a snapshot, never a view of later state."""
+
+    __slots__ = ()
+
+    def _completion(self, text: str, new_ids: list[int], finish: str | None,
+                    stop_reason: int | str | None) -> CompletionOutput | None:
+        if finish is None and not new_ids:
+            return None
+        self.token_ids.extend(new_ids)
         if text:
             self.text += text
+        logprobs, cumulative = _NO_LOGPROBS if self.logprobs is None else self.logprobs.sample()
         token_ids = self.token_ids if finish is not None else self.token_ids[:]
-        return CompletionOutput(self.index, self.text, token_ids, self.cumulative_logprob,
-                                logprobs, finish_str, stop_reason), stopped
+        return CompletionOutput(self.index, self.text, token_ids, cumulative, logprobs, finish, stop_reason)
 
-    def _take_logprobs(self, kind: RequestOutputKind) -> list[dict[int, Logprob]] | None:
-        all_rows = self.logprobs
-        assert all_rows is not None
-        if self.lp_parts:
-            for arrays in self.lp_parts:
-                rows, total = logprobs_to_dicts(arrays, self.token_text)
-                all_rows.extend(rows)
-                self.cumulative_logprob += total  # type: ignore[operator]
-            self.lp_parts.clear()
-        if kind == _DELTA:
-            rows, self.lp_sent = all_rows[self.lp_sent:], len(all_rows)
-            return rows
-        return all_rows if kind == _FINAL_ONLY else all_rows[:]
 
-    def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
-        plp = self.prompt_logprobs
-        if plp is None or self.output_kind != _DELTA:
-            return plp
-        rows, self.plp_sent = plp[self.plp_sent:], len(plp)
-        return rows or None
+class _FinalOnlyState(RequestState):
+    """FINAL_ONLY: one output, at the finish."""
+
+    __slots__ = ()
+
+    def _completion(self, text: str, new_ids: list[int], finish: str | None,
+                    stop_reason: int | str | None) -> CompletionOutput | None:
+        self.token_ids.extend(new_ids)
+        if text:
+            self.text_parts.append(text)
+        if finish is None:
+            return None
+        logprobs, cumulative = _NO_LOGPROBS if self.logprobs is None else self.logprobs.sample()
+        return CompletionOutput(self.index, "".join(self.text_parts), self.token_ids, cumulative,
+                                logprobs, finish, stop_reason)
+
+
+_STATE_CLASS: dict[RequestOutputKind, type[RequestState]] = {
+    RequestOutputKind.CUMULATIVE: _CumulativeState, _DELTA: _DeltaState, _FINAL_ONLY: _FinalOnlyState}
+
+
+def _record_stats(stats: RequestStateStats, out: EngineCoreOutput) -> None:
+    """The core's events (monotonic stamps) and this process's receipt of new tokens."""
+    for event, ts in out.events or ():
+        if event == _QUEUED:
+            stats.queued_ts = ts
+        elif event == _SCHEDULED and not stats.scheduled_ts:  # the first time only
+            stats.scheduled_ts = ts
+    if out.new_token_ids:
+        now = time.monotonic()
+        if not stats.num_generation_tokens:
+            stats.first_token_ts = now
+            stats.first_token_latency = time.time() - stats.arrival_time
+        stats.last_token_ts = now
+        stats.num_generation_tokens += len(out.new_token_ids)
 
 
 @dataclass
@@ -267,8 +222,9 @@ class OutputProcessorOutput:
 class OutputProcessor:
     """Turns `EngineCoreOutput`s into `RequestOutput`s; owns every request's front-end state."""
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, log_stats: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.log_stats = log_stats  # fill RequestOutput.metrics
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         # Ids the front-end dropped before the core's final output for them came: that output
@@ -277,19 +233,20 @@ class OutputProcessor:
         self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
-                    parent: ParentRequest | None = None, index: int = 0,
-                    queue: RequestOutputCollector | None = None) -> None:
-        request_id = request.request_id
-        if request_id in self.request_states or (parent is None and request_id in self.parent_requests):
-            raise ValueError(f"request id {request_id!r} is already running")
-        if parent is not None:
-            known = self.parent_requests.setdefault(parent.request_id, parent)
-            if known is not parent or parent.request_id in self.request_states:
-                raise ValueError(f"request id {parent.request_id!r} is already running")
-            parent.child_requests.add(request_id)
+                    queue: RequestOutputCollector | None = None) -> list[EngineCoreRequest]:
+        """Track a processed request (its id is not running: the caller made it unique).
+        Returns what to send to the core: the request, or for n > 1 its n children, whose
+        outputs come back under the request's id."""
+        parent, requests = None, [request]
+        if request.sampling_params.n > 1:
+            parent = self.parent_requests[request.request_id] = ParentRequest(
+                request.request_id, request.sampling_params)
+            requests = parent.make_children(request)
         token_text = self._token_texts.get if self._token_texts is not None else None
-        self.request_states[request_id] = RequestState(
-            request, prompt, parent, index, queue, self.tokenizer, token_text)
+        for index, req in enumerate(requests):
+            self.request_states[req.request_id] = _STATE_CLASS[req.sampling_params.output_kind](
+                req, prompt, parent, index, queue, self.tokenizer, token_text, self.log_stats)
+        return requests
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
         result = OutputProcessorOutput()
@@ -311,15 +268,15 @@ class OutputProcessor:
                 exc.request_id = state.external_req_id  # type: ignore[attr-defined]
                 state.queue.put(exc) if state.queue is not None else request_outputs.append(exc)
                 continue
-            completion, stopped = state.update(out)
+            completion = state.update(out)
             if completion is None:
                 continue
             self._emit(state, completion, request_outputs)
             if completion.finish_reason is not None:
-                self._drop(state)
-                if stopped and out.finish_reason is None:
-                    reqs_to_abort.append(req_id)
-                    self._expect_final(req_id)
+                if out.finish_reason is None:  # a stop string: the core has not finished it
+                    reqs_to_abort.append(self._abort(state))
+                else:
+                    self._drop(state)
         return result
 
     def _emit(self, state: RequestState, completion: CompletionOutput,
@@ -331,9 +288,11 @@ class OutputProcessor:
             outs, finished = parent.get_outputs(state.request_id, completion)
             if not outs:
                 return
-        plp = None if state.prompt_logprobs is None else state.take_prompt_logprobs()
+        plp = None if state.logprobs is None else state.logprobs.prompt()
+        # A copy: an output is a snapshot, and the state's stats go on changing.
+        metrics = None if state.stats is None else copy.copy(state.stats)
         output = RequestOutput(state.external_req_id, state.prompt, state.prompt_token_ids,
-                               plp, outs, finished, state.num_cached_tokens)
+                               plp, outs, finished, state.num_cached_tokens, metrics)
         state.queue.put(output) if state.queue is not None else request_outputs.append(output)
 
     def _drop(self, state: RequestState) -> None:
@@ -362,15 +321,16 @@ class OutputProcessor:
                                      if c in self.request_states), key=lambda st: st.index))
         return found
 
+    def _abort(self, state: RequestState) -> str:
+        """Drop a request the core has not finished; returns its id, for the core to abort."""
+        self._drop(state)
+        self._expect_final(state.request_id)
+        return state.request_id
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Drop the state of these requests (a parent id means its children), emitting nothing.
         Returns the ids the core must abort."""
-        to_abort: list[str] = []
-        for state in self._expand(request_ids):
-            self._drop(state)
-            self._expect_final(state.request_id)
-            to_abort.append(state.request_id)
-        return to_abort
+        return [self._abort(state) for state in self._expand(request_ids)]
 
     def finish_request_aborted(self, request_ids: Iterable[str]) -> OutputProcessorOutput:
         """User abort(): end each stream normally, with finish_reason "abort" and the partial
@@ -378,12 +338,10 @@ class OutputProcessor:
         The core's own ABORT output for them, if it comes, is then ignored."""
         result = OutputProcessorOutput()
         for state in self._expand(request_ids):
-            completion, _ = state.update(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ABORT))
+            completion = state.update(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ABORT))
             if completion is not None:
                 self._emit(state, completion, result.request_outputs)
-            self._drop(state)
-            self._expect_final(state.request_id)
-            result.reqs_to_abort.append(state.request_id)
+            result.reqs_to_abort.append(self._abort(state))
         return result
 
     def propagate_error(self, exc: BaseException) -> None:

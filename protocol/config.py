@@ -12,7 +12,6 @@ from typing import Any
 
 import msgspec
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # config.json "architectures" tidal implements (tidal.worker.models.registry maps them to
 # classes); kept here, torch-free, so a front-end rejects a model before starting any process.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -28,7 +27,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int = 2048  # without chunked prefill, raised to max_model_len
     block_size: int = 16
     num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override
     kv_cache_memory_bytes: int | None = None  # None: a share of free device memory, or 2 GiB on CPU
@@ -52,7 +51,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
@@ -64,10 +63,6 @@ class EngineConfig:
             raise ValueError(f"model_runner must be torch or null, got {self.model_runner!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
-
-    @property
-    def budget_tokens(self) -> int:
-        return self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     @property
     def tokenizer_path(self) -> str:

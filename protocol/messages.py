@@ -35,6 +35,11 @@ class EngineCoreRequestType(bytes, enum.Enum):
     UTILITY = b"\x02"
 
 
+# A front-end's first call: the utility the core process itself answers, with its
+# ResolvedEngineInfo or its start-up error (EngineCore has no such method).
+HELLO = "hello"
+
+
 class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     request_id: str
     prompt_token_ids: list[int]

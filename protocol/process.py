@@ -16,8 +16,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Callable, Sequence
+
+from tidal.protocol.utils import Deadline
 
 _PR_SET_PDEATHSIG = 1
 
@@ -81,16 +82,17 @@ def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) ->
     """SIGTERM every live process at once, SIGKILL what is left after `timeout_s`, reap all.
     Returns the exit codes (None only for a process that survived SIGKILL's wait)."""
     _signal_live(procs, subprocess.Popen.terminate)
-    _wait_all(procs, time.monotonic() + timeout_s)
+    wait_all(procs, Deadline(timeout_s))
     _signal_live(procs, subprocess.Popen.kill)
-    _wait_all(procs, time.monotonic() + max(timeout_s, 5.0))
+    wait_all(procs, Deadline(max(timeout_s, 5.0)))
     return [proc.returncode for proc in procs]
 
 
-def _wait_all(procs: Sequence[subprocess.Popen], deadline: float) -> None:
+def wait_all(procs: Sequence[subprocess.Popen], deadline: Deadline) -> None:
+    """Reap what exits before `deadline`; the rest are left running (the caller escalates)."""
     for proc in procs:
         try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            proc.wait(timeout=deadline.remaining_s())
         except subprocess.TimeoutExpired:
             pass
 

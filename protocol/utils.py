@@ -31,10 +31,14 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (cores or 1) // max(1, world_size))
 
 
+def format_frames(frames: list[traceback.FrameSummary]) -> str:
+    """Innermost frame first: "file.py:12 fn <- caller.py:34 caller"."""
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+
+
 def summarize_exception(e: BaseException, frames: int = 3) -> str:
     """The exception and where it happened (its last frames), short enough for one log line."""
-    tb = traceback.extract_tb(e.__traceback__)[-frames:]
-    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(tb))
+    where = format_frames(traceback.extract_tb(e.__traceback__)[-frames:])
     return f"{type(e).__name__}: {e} (at {where})" if where else f"{type(e).__name__}: {e}"
 
 

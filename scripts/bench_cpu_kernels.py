@@ -21,12 +21,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tidal.protocol.utils import cdiv
 from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
 from tidal.worker.attention_cpu import CpuAttentionBackend
 from tidal.worker.cpu_kernels import cpu_kernels
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.gemm import PackedWeight
 from tidal.worker.layers.layernorm import RMSNorm
+from tidal.worker.layers.qk_norm_rope import QKNormRope
 from tidal.worker.layers.rotary import RotaryEmbedding
 from tidal.worker.loader import tune_cpu_malloc
 
@@ -72,7 +74,7 @@ def bench_decode_attention() -> None:
     for batch in (1, 4, 16, 32, 64):
         lens = [rng.randint(17, 384) for _ in range(batch)]
         rng.shuffle(ids)
-        need = [-(-n // block) for n in lens]
+        need = [cdiv(n, block) for n in lens]
         tables = torch.zeros(batch, max(need), dtype=torch.long)
         offset = 0
         for i, n in enumerate(need):
@@ -96,8 +98,9 @@ def bench_elementwise() -> None:
     norm = RMSNorm(HIDDEN)
     act = SiluAndMul()
     rope = RotaryEmbedding(HEAD_DIM, HEAD_DIM, 4096, 1e6)
-    head_norm = RMSNorm(HEAD_DIM)
-    q_w = k_w = head_norm.weight
+    qk_norm_rope = QKNormRope(rope, HEADS, KV_HEADS, 1e-6)
+    head_norm = qk_norm_rope.q_norm
+    assert head_norm is not None
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     for tokens in (32, 4096):
         x, res = torch.randn(tokens, HIDDEN), torch.randn(tokens, HIDDEN)
@@ -115,7 +118,7 @@ def bench_elementwise() -> None:
             rope(pos, qn, kn)
 
         row(f"qk-norm + RoPE, {tokens} tokens",
-            timed(lambda: rope.forward_qkv_inplace(pos, qkv, HEADS, KV_HEADS, q_w, k_w, 1e-6)), timed(torch_qk_rope))
+            timed(lambda: qk_norm_rope(pos, qkv)), timed(torch_qk_rope))
 
 
 def main() -> None:

@@ -3,11 +3,12 @@ helpers for the process tests (engine-core children, ipc directories)."""
 from __future__ import annotations
 
 import os
-import socket
 from typing import Iterator
 
 import psutil
 import pytest
+
+from tidal.protocol.utils import free_port as free_tcp_port  # noqa: F401 - test_core_proc imports it
 
 
 @pytest.fixture(scope="session")
@@ -51,12 +52,6 @@ def core_children() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return alive
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

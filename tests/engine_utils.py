@@ -3,6 +3,7 @@
 - `model_path(name)`: small HF checkpoints made once per test process, in one temp dir.
 - `run_to_completion(core, requests, joins=..., aborts=...)`: drives `EngineCore.step()` and
   records every step's schedule and scheduler stats.
+- `step_outputs(core)`: one step's outputs, for a core driven in-process (no client identity).
 - `hf_generate(...)`: the transformers reference (float32 CPU `generate` on the same
   checkpoint) with its raw logits, so tests can check logprobs and, when a greedy comparison
   fails, whether the reference itself stood on a near-tie.
@@ -25,6 +26,7 @@ from tidal.core.engine_core import EngineCore
 from tidal.protocol import EngineConfig, SamplingParams
 from tidal.protocol.messages import (
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     LogprobsArrays,
@@ -149,7 +151,7 @@ class RunResult:
     results: dict[str, ReqResult]
     steps: list[StepRecord]
     stats: SchedulerStats  # at the end
-    errors: list[EngineCoreOutput] = field(default_factory=list)  # ERROR outputs of add_request
+    errors: list[EngineCoreOutput] = field(default_factory=list)  # rejections of add_request
 
     def __getitem__(self, request_id: str) -> ReqResult:
         return self.results[request_id]
@@ -180,6 +182,13 @@ def record_schedules(core: EngineCore) -> list[tuple[SchedulerOutput, int]]:
     return log
 
 
+def step_outputs(core: EngineCore) -> list[EngineCoreOutput]:
+    """Run one step; its outputs (requests added here have client_index None: all are ours)."""
+    by_client = core.step()
+    assert set(by_client) <= {None}, by_client
+    return by_client.get(None, EngineCoreOutputs()).outputs
+
+
 def run_to_completion(
     core: EngineCore,
     requests: Iterable[EngineCoreRequest],
@@ -190,8 +199,10 @@ def run_to_completion(
     """Add `requests`, then step until nothing is unfinished (and no join is pending).
 
     aborts[s] / joins[s] are aborted / added (in that order) right before step s (0-based)
-    runs. ERROR outputs of add_request (also kept in `errors`) and ABORT outputs of
-    abort_requests are recorded like step outputs.
+    runs; their ABORT and ERROR (rejection) outputs come out of that step like the others.
+    Rejections are also kept in `errors`; one for an id in use leaves that request's record alone.
+    An id aborted and re-added before the same step gets a fresh record (the ABORT output, which
+    comes first, ends the old one).
     Every step's schedule and the stats after it are kept in `steps`.
     """
     joins = dict(joins or {})
@@ -200,9 +211,17 @@ def run_to_completion(
     steps: list[StepRecord] = []
     errors: list[EngineCoreOutput] = []
     log = record_schedules(core)
+    shadowed: list[str] = []  # ids added while in use: their rejection is not their record's
+    replaced: dict[str, ReqResult] = {}  # ids re-added before their last output came: old record
 
     def take(out: EngineCoreOutput) -> None:
-        r = results.setdefault(out.request_id, ReqResult())
+        rid = out.request_id
+        if out.error is not None:
+            errors.append(out)
+            if rid in shadowed:
+                shadowed.remove(rid)
+                return
+        r = replaced.pop(rid) if rid in replaced else results.setdefault(rid, ReqResult())
         assert r.finish_reason is None, f"output after the finish of {out.request_id}: {out}"
         r.outputs.append(out)
         r.tokens.extend(out.new_token_ids)
@@ -214,29 +233,26 @@ def run_to_completion(
 
     def add(rs: Iterable[EngineCoreRequest]) -> None:
         for r in rs:
-            prev = results.get(r.request_id)
+            rid, prev = r.request_id, results.get(r.request_id)
             live = prev is not None and prev.finish_reason is None
-            err = core.add_request(r)
-            if err is not None:
-                errors.append(err)
-                if not live:  # an id in use keeps its own record
-                    results[r.request_id] = ReqResult()
-                    take(err)
-            elif not live:
-                results[r.request_id] = ReqResult()  # a reused id starts afresh
+            if live and rid in core.scheduler.requests:
+                shadowed.append(rid)  # in use: rejected, the running request keeps its record
+            else:
+                if live:
+                    replaced[rid] = prev  # aborted just now: its ABORT output is still to come
+                results[rid] = ReqResult()  # a reused id starts afresh
+            core.add_request(r)
 
     add(requests)
     step = 0
-    while core.has_unfinished_requests() or any(s >= step for s in joins) or any(s >= step for s in aborts):
+    while step == 0 or core.has_unfinished_requests() or joins or aborts:  # step 0: rejections
         assert step < max_steps, "engine did not finish"
         if step in aborts:
-            for out in core.abort_requests(aborts.pop(step)):
-                take(out)
+            core.abort_requests(aborts.pop(step))
         if step in joins:
             add(joins.pop(step))
         n_before = len(log)
-        outs = core.step()
-        for out in outs.outputs:
+        for out in step_outputs(core):
             take(out)
         if len(log) > n_before:
             so, n_running = log[-1]

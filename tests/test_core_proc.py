@@ -3,6 +3,7 @@ on its socket, requests it rejects, start-up failure, clean SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -173,9 +174,10 @@ async def test_garbage_is_dropped_and_core_keeps_serving(headless_core: tuple[st
 async def test_request_rejected_by_core_fails_alone(long_model_dir: str, no_leaked_cores: None) -> None:
     async with AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=4096) as engine:
         # Let a bad token id past the front-end's own check so that the core rejects it.
-        engine.input_processor.vocab_size = 10**6
+        ip = engine.input_processor
+        ip.limits = dataclasses.replace(ip.limits, vocab_size=10**6)
         good = [asyncio.create_task(generate_all(engine, f"good-{i}", 200)) for i in range(4)]
-        with pytest.raises(EngineGenerateError, match=r"token ids must be in \[0, 512\)"):
+        with pytest.raises(EngineGenerateError, match=r"out of vocabulary range \[0, 512\)"):
             async for _ in engine.generate({"prompt_token_ids": [1, 2, 999_999]}, SamplingParams(), "bad"):
                 pass
         assert [len(ids) for ids in await asyncio.gather(*good)] == [200] * 4

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tidal.protocol.utils import cdiv
 from tidal.worker import cpu_kernels as ck
 from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
 from tidal.worker.attention_cpu import CpuAttentionBackend
@@ -22,6 +23,7 @@ from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.gemm import PackedWeight, onednn_gemm_enabled
 from tidal.worker.layers.layernorm import RMSNorm
 from tidal.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tidal.worker.layers.qk_norm_rope import QKNormRope
 from tidal.worker.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(ck.cpu_kernels() is None, reason="no C compiler: kernels unavailable")
@@ -33,7 +35,7 @@ def _paged_case(lens: list[int], q_lens: list[int], heads: int, kv_heads: int, h
     """A shuffled block pool holding every sequence's context, plus this step's new q/k/v."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    need = [-(-n // block_size) for n in lens]
+    need = [cdiv(n, block_size) for n in lens]
     num_blocks = sum(need) + 3
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -181,11 +183,14 @@ def test_silu_and_mul_including_extremes() -> None:
 def test_qk_norm_rope_in_place(qk_norm: bool, scaling: dict | None) -> None:
     heads, kv_heads, head_dim, tokens = 6, 2, 32, 19
     rope = RotaryEmbedding(head_dim, head_dim, 512, 10000.0, scaling)
+    layer = QKNormRope(rope, heads, kv_heads, 1e-6 if qk_norm else None)
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
     positions = torch.randint(0, 512, (tokens,), generator=gen)
-    q_w = torch.rand(head_dim, generator=gen) + 0.5 if qk_norm else None
-    k_w = torch.rand(head_dim, generator=gen) + 0.5 if qk_norm else None
+    q_w = k_w = None
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q_w = layer.q_norm.weight.data = torch.rand(head_dim, generator=gen) + 0.5
+        k_w = layer.k_norm.weight.data = torch.rand(head_dim, generator=gen) + 0.5
     # reference: HF order (per-head RMSNorm, then x*cos + rotate_half(x)*sin with full-width tables)
     q, k, v = qkv.view(tokens, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     if qk_norm:
@@ -200,11 +205,21 @@ def test_qk_norm_rope_in_place(qk_norm: bool, scaling: dict | None) -> None:
     wide = torch.zeros(tokens, qkv.shape[1] + 8)
     wide[:, :qkv.shape[1]] = qkv
     view = wide[:, :qkv.shape[1]]  # row stride != width, as a fused projection's slice
-    assert rope.forward_qkv_inplace(positions, view, heads, kv_heads, q_w, k_w, 1e-6)
-    torch.testing.assert_close(view, want, atol=2e-5, rtol=1e-5)
+    q_out, k_out, v_out = layer(positions, view)
+    torch.testing.assert_close(view, want, atol=2e-5, rtol=1e-5)  # the fused kernel ran, in place
+    assert torch.equal(torch.cat([q_out, k_out, v_out], 1), view)
     assert torch.equal(wide[:, qkv.shape[1]:], torch.zeros(tokens, 8))  # nothing past the view
     with pytest.raises(IndexError, match="outside"):
-        rope.forward_qkv_inplace(torch.full((tokens,), 512), view, heads, kv_heads, q_w, k_w, 1e-6)
+        layer(torch.full((tokens,), 512), view)
+    # The torch path (kernels off: what GPUs and other dtypes run) computes the same.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDAL_CPU_KERNELS", "0")
+        ck.cpu_kernels.cache_clear()
+        try:
+            torch_out = torch.cat(layer(positions, qkv.clone()), 1)
+        finally:
+            ck.cpu_kernels.cache_clear()
+    torch.testing.assert_close(torch_out, want, atol=2e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -286,10 +301,15 @@ def test_misfit_inputs_take_the_torch_path_and_fail_or_agree_like_torch() -> Non
     rope = RotaryEmbedding(64, 64, 128, 10000.0)
     qkv = torch.randn(8, (4 + 2 * 2) * 64)
     before = qkv.clone()
-    assert not rope.forward_qkv_inplace(torch.arange(1), qkv, 4, 2, None, None, 1e-6)  # 1 position, 8 rows
-    assert not rope.forward_qkv_inplace(torch.arange(8), qkv[:, :256], 4, 2, None, None, 1e-6)  # q only
-    assert not rope.forward_qkv_inplace(torch.arange(8), qkv, 4, 2, torch.ones(32), torch.ones(32), 1e-6)
-    assert torch.equal(qkv, before)
+    with pytest.raises(RuntimeError):
+        QKNormRope(rope, 4, 2, None)(torch.arange(1), qkv)  # 1 position, 8 rows
+    with pytest.raises(RuntimeError):
+        QKNormRope(rope, 4, 2, None)(torch.arange(8), qkv[:, :256])  # q only
+    narrow_norms = QKNormRope(rope, 4, 2, 1e-6)
+    narrow_norms.q_norm.weight.data = narrow_norms.k_norm.weight.data = torch.ones(32)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError):
+        narrow_norms(torch.arange(8), qkv)
+    assert torch.equal(qkv, before)  # the kernel never touched it
 
     case = _paged_case([17, 5], [1, 1], 4, 2, 64, 4, seed=7)
     case["v_cache"] = case["v_cache"].to(torch.bfloat16)  # only V in bf16: the kernel reads float32

@@ -74,8 +74,7 @@ def test_joins_mid_flight_and_after_idle() -> None:
         run = run_to_completion(core, [r["j0"]], joins={1: [r["j1"]], 2: [r["j2"]], 6: [r["j3"]], 7: [r["j4"]]})
         assert_all_blocks_free(core)
         assert not core.has_unfinished_requests()
-        idle = core.step()
-        assert idle.outputs == []
+        assert core.step() == {}  # idle: no outputs, nothing to send
         run2 = run_to_completion(core, [r["j5"]], joins={2: [req("j0", prompts["j0"], sp)]})
         assert_all_blocks_free(core)
     finally:
@@ -110,7 +109,8 @@ def test_all_blocks_free_after_aborts() -> None:
         assert_all_blocks_free(core)
         assert all(r.finish_reason == FinishReason.ABORT for r in run2.results.values())
         # finished and unknown ids: nothing happens
-        assert core.abort_requests(["a2", "zzz"]) == []
+        core.abort_requests(["a2", "zzz"])
+        assert core.step() == {}
         assert_all_blocks_free(core)
     finally:
         core.shutdown()
@@ -152,6 +152,48 @@ def test_request_id_reuse_right_after_finish_and_abort() -> None:
         assert "Z" in run.steps[3].finished_req_ids and "Z" in run.steps[3].new_reqs
         assert run["Z"].finish_reason == FinishReason.LENGTH
         assert_greedy_equal(run["Z"].tokens, hf_generate(name, p2, 5), "Z reused")
+    finally:
+        core.shutdown()
+
+
+def test_outputs_go_to_their_front_end() -> None:
+    """Requests stamped with their front-end's identity: a step's outputs come grouped by it, ids
+    are unique across front-ends, a front-end aborts only its own requests, and the requests of
+    one that is gone are freed without outputs."""
+    core = make_core("tiny", max_model_len=64, num_kv_blocks=16)
+    try:
+        core.add_request(req("a1", [5, 6, 7], greedy(4)), b"fe-a")
+        core.add_request(req("b1", [8, 9], greedy(4)), b"fe-b")
+        core.add_request(req("a1", [5], greedy(4)), b"fe-b")  # in use by fe-a
+        got = {c: [(o.request_id, o.finish_reason) for o in m.outputs] for c, m in core.step().items()}
+        assert got == {b"fe-a": [("a1", None)], b"fe-b": [("a1", FinishReason.ERROR), ("b1", None)]}
+        core.abort_requests(["a1", "b1"], b"fe-b")  # a1 is not fe-b's: only b1 ends
+        got = {c: [(o.request_id, o.finish_reason) for o in m.outputs] for c, m in core.step().items()}
+        assert got == {b"fe-a": [("a1", None)], b"fe-b": [("b1", FinishReason.ABORT)]}
+        assert core.drop_client(b"fe-a") == 1
+        assert core.step() == {} and not core.has_unfinished_requests()
+        assert_all_blocks_free(core)
+    finally:
+        core.shutdown()
+
+
+def test_abort_during_the_forward_pass_wins_over_the_step() -> None:
+    """What arrives during the forward pass is applied (apply_input: the core process drains its
+    input queue) before the step's outputs are built: an aborted request gets its one ABORT
+    output and no token from the step it raced; the others are untouched."""
+    core = make_core("tiny", max_model_len=64, num_kv_blocks=16)
+    try:
+        core.add_request(req("x", [5, 6, 7], greedy(8)))
+        core.add_request(req("y", [8, 9], greedy(8)))
+        core.step()
+        core.apply_input = lambda: core.abort_requests(["x"])
+        (msg,) = core.step().values()
+        core.apply_input = None
+        assert [(o.request_id, o.finish_reason, len(o.new_token_ids)) for o in msg.outputs] == [
+            ("x", FinishReason.ABORT, 0), ("y", None, 1)]
+        while core.has_unfinished_requests():
+            assert all(o.request_id == "y" for m in core.step().values() for o in m.outputs)
+        assert_all_blocks_free(core)
     finally:
         core.shutdown()
 
@@ -211,7 +253,8 @@ def test_seeded_sampling_alone_equals_crowded() -> None:
     assert run["target"].tokens == alone
     assert run["twin"].tokens == alone
     # Tiny pool: the crowd preempts (the target too, or those around it); still the same.
-    core = make_core(name, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=12)
+    core = make_core(name, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=12,
+                     disable_log_stats=False)  # events are recorded with stats only
     try:
         tight = run_to_completion(core, crowd[:10] + target() + crowd[10:])
         assert_all_blocks_free(core)

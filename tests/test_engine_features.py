@@ -114,7 +114,8 @@ def test_preemption_tiny_pool_matches_large_pool_and_hf() -> None:
     reqs = [req(rid, p, greedy(40)) for rid, p in prompts.items()]
     outs = {}
     for blocks in (8, 64):
-        core = make_core(M, block_size=16, max_model_len=128, num_kv_blocks=blocks)
+        core = make_core(M, block_size=16, max_model_len=128, num_kv_blocks=blocks,
+                         disable_log_stats=False)  # events are recorded with stats only
         try:
             outs[blocks] = run_to_completion(core, reqs)
             assert_all_blocks_free(core)
@@ -331,6 +332,7 @@ def test_stop_conditions() -> None:
     j = next(i for i in range(2, 16) if base[i] not in base[:i])
     k = next(i for i in range(j + 1, 16) if base[i] not in base[:i])
     eos, stop_id = base[j], base[k]
+    never = next(i for i in range(3, 512) if i not in base)  # a stop id that greedy never emits
     # min_tokens: a token t that greedy emits early, and a min_tokens m past its first
     # emission such that the run with t forbidden before m still ends on t (after m).
     t, m = next((t, m) for t in dict.fromkeys(base) for m in range(base.index(t) + 1, 12)
@@ -338,7 +340,7 @@ def test_stop_conditions() -> None:
     cases = {
         "eos": req("eos", prompt, greedy(16, ignore_eos=False), eos=eos),
         "ignore_eos": req("ignore_eos", prompt, greedy(16, ignore_eos=True), eos=eos),
-        "stop_id": req("stop_id", prompt, greedy(16, ignore_eos=False, stop_token_ids=[stop_id, 9999]), eos=None),
+        "stop_id": req("stop_id", prompt, greedy(16, ignore_eos=False, stop_token_ids=[stop_id, never]), eos=None),
         "min_eos": req("min_eos", prompt, greedy(16, ignore_eos=False, min_tokens=m), eos=t),
         "min_stop": req("min_stop", prompt, greedy(16, ignore_eos=False, min_tokens=m, stop_token_ids=[t]), eos=None),
         "min_ignored": req("min_ignored", prompt, greedy(16, ignore_eos=True, min_tokens=m), eos=t),

@@ -32,6 +32,7 @@ def test_outputs_in_input_order(llm: LLM) -> None:
     assert [o.prompt for o in outs] == prompts
     assert [len(o.outputs[0].token_ids) for o in outs] == [40 - 3 * i for i in range(12)]
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert all(o.metrics is None for o in outs)  # stats are off by default
 
 
 def test_single_and_shared_params_and_prompt_forms(llm: LLM, capsys: Any) -> None:
@@ -78,6 +79,20 @@ def test_stop_string_and_stats(llm: LLM) -> None:
     assert out.outputs[0].text == text[:text.index(stop)] and out.outputs[0].finish_reason == "stop"
     stats = llm.llm_engine.get_stats()
     assert stats.num_running_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_request_metrics_with_stats_on(long_model_dir: str) -> None:
+    """disable_log_stats=False: each output carries its request's timings (vLLM's names)."""
+    with LLM(model=long_model_dir, model_runner="null", max_model_len=2048, disable_log_stats=False) as engine:
+        t0 = time.time()
+        outs = engine.generate(["a b c", "d"], SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)
+        t1 = time.time()
+    for out in outs:
+        m = out.metrics
+        assert m is not None and t0 <= m.arrival_time <= t1
+        assert 0 < m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts <= time.monotonic()
+        assert m.num_generation_tokens == len(out.outputs[0].token_ids) == 7
+        assert 0 < m.first_token_latency <= t1 - m.arrival_time
 
 
 def test_in_process_mode(long_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

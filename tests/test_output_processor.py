@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tidal.frontend.output_processor import (
-    OutputProcessor,
-    ParentRequest,
-    RequestOutputCollector,
-)
+from tidal.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from tidal.protocol import EngineGenerateError, RequestOutput
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsArrays
+from tidal.protocol.messages import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsArrays,
+)
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 try:
@@ -83,9 +86,6 @@ def test_unknown_ids_ignored(tokenizer: Any) -> None:
     op = OutputProcessor(tokenizer)
     r = op.process_outputs([EngineCoreOutput("nope", [5], finish_reason=FinishReason.ABORT)])
     assert r.request_outputs == [] and r.reqs_to_abort == []
-    op.add_request(req("a"), None)
-    with pytest.raises(ValueError, match="already running"):
-        op.add_request(req("a"), None)
 
 
 async def test_collector_delta_merges_when_consumer_lags(tokenizer: Any) -> None:
@@ -187,17 +187,14 @@ def test_final_only_logprobs_cumulative(tokenizer: Any) -> None:
 @pytest.mark.parametrize("kind", [CUM, DELTA, FINAL])
 def test_parent_fan_out(tokenizer: Any, kind: RequestOutputKind) -> None:
     params = SamplingParams(n=3, seed=100, output_kind=kind, max_tokens=5)
-    parent = ParentRequest("p", params)
-    assert parent.get_child_info(2) == ("2_p", params.clone(n=1, seed=102))
-    assert params.n == 3 and params.seed == 100  # parent params untouched
     op = OutputProcessor(tokenizer)
     q = RequestOutputCollector(kind)
-    base = EngineCoreRequest("p", PROMPT, params, 0)
-    for i in range(3):
-        child = parent.make_child_request(base, i)
+    children = op.add_request(EngineCoreRequest("p", PROMPT, params, 0), "prompt", q)
+    assert children[2].request_id == "2_p" and children[2].sampling_params == params.clone(n=1, seed=102)
+    assert params.n == 3 and params.seed == 100  # parent params untouched
+    for i, child in enumerate(children):
         assert child.request_id == f"{i}_p" and child.sampling_params.seed == 100 + i
-        assert child.sampling_params.n == 1
-        op.add_request(child, "prompt", parent, i, q)
+        assert child.sampling_params.n == 1 and child.prompt_token_ids == PROMPT
     ids = tokenizer.encode("abc def ghi")
     seen: list[RequestOutput] = []
     for step, t in enumerate(ids):  # children interleave; child 1 finishes first
@@ -337,10 +334,7 @@ async def test_abort_ends_stream_once(tokenizer: Any, kind: RequestOutputKind) -
 def test_abort_parent_and_silent_abort(tokenizer: Any) -> None:
     op = OutputProcessor(tokenizer)
     params = SamplingParams(n=2, seed=1, output_kind=FINAL)
-    parent = ParentRequest("p", params)
-    base = EngineCoreRequest("p", PROMPT, params)
-    for i in range(2):
-        op.add_request(parent.make_child_request(base, i), None, parent, i)
+    assert [c.request_id for c in op.add_request(EngineCoreRequest("p", PROMPT, params), None)] == ["0_p", "1_p"]
     op.process_outputs([EngineCoreOutput("0_p", [5], finish_reason=FinishReason.LENGTH),
                         EngineCoreOutput("1_p", [6])])
     res = op.finish_request_aborted(["p"])  # sync case: returned
@@ -380,3 +374,27 @@ def test_detokenize_false(tokenizer: Any) -> None:
     outs, _ = feed(op, "r", [5, 6])
     c = outs[0].outputs[0]
     assert c.text == "" and c.token_ids == [5, 6]
+
+
+def test_metrics_only_with_stats(tokenizer: Any) -> None:
+    queued, scheduled, preempted = (int(e) for e in (EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED,
+                                                     EngineCoreEventType.PREEMPTED))
+    op = OutputProcessor(tokenizer, log_stats=True)
+    request = EngineCoreRequest("r", PROMPT, SamplingParams(output_kind=CUM), 0, time.time())
+    op.add_request(request, None)
+    t = time.monotonic()
+    outs = op.process_outputs([EngineCoreOutput("r", [5], events=[(queued, t), (scheduled, t + 1)])]).request_outputs
+    outs += op.process_outputs([EngineCoreOutput("r", [6], events=[(preempted, t + 2), (scheduled, t + 3)])]
+                               ).request_outputs
+    outs += op.process_outputs([EngineCoreOutput("r", [7], finish_reason=FinishReason.LENGTH)]).request_outputs
+    first, last = outs[0].metrics, outs[-1].metrics
+    assert first is not None and last is not None and first is not last  # snapshots
+    assert (first.num_generation_tokens, last.num_generation_tokens) == (1, 3)
+    assert (last.arrival_time, last.queued_ts, last.scheduled_ts) == (request.arrival_time, t, t + 1)
+    assert t <= last.first_token_ts == first.first_token_ts <= last.last_token_ts <= time.monotonic()
+    assert 0 <= last.first_token_latency < 5
+    op = OutputProcessor(tokenizer)  # stats off: no metrics
+    op.add_request(req("s"), None)
+    (out,) = op.process_outputs([EngineCoreOutput("s", [5], finish_reason=FinishReason.LENGTH,
+                                                  events=[(queued, t)])]).request_outputs
+    assert out.metrics is None

@@ -14,7 +14,7 @@ from tidal.worker.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
-    _argmax,
+    argmax,
     _mix64,
     _topk,
     compute_prompt_logprobs,
@@ -282,7 +282,7 @@ def test_block_helpers_match_torch() -> None:
     x = make_logits(5, v=3000, seed=6)
     x[1, [70, 2990, 5]] = 100.0  # ties on the max across blocks
     x[2] = 0.0  # everything tied
-    assert torch.equal(_argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x), x.argmax(-1))
     for k in (1, 7, 11):
         vals, idx = _topk(x, k)
         assert torch.equal(vals, x.topk(k, -1).values)

@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from tidal.core.request import Request, RequestStatus
@@ -16,6 +17,7 @@ from tidal.protocol.messages import (
     EngineCoreEventType,
     EngineCoreOutput,
     FinishReason,
+    LogprobsArrays,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -107,13 +109,20 @@ def make_sched(**kw: object) -> Scheduler:
     return Scheduler(**args)  # type: ignore[arg-type]
 
 
+def update(sched: Scheduler, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    """update_from_output for requests of no client (make_req's): all grouped under None."""
+    by_client = sched.update_from_output(so, ro)
+    assert set(by_client) <= {None}, by_client
+    return by_client.get(None, [])
+
+
 def run_steps(sched: Scheduler, runner: FakeRunner) -> Iterator[tuple[SchedulerOutput, list[EngineCoreOutput]]]:
     while sched.has_unfinished_requests():
         so = sched.schedule()
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         assert so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= sched.max_num_seqs
-        yield so, sched.update_from_output(so, runner.execute(so))
+        yield so, update(sched, so, runner.execute(so))
 
 
 def run_all(sched: Scheduler, runner: FakeRunner) -> tuple[list[dict[str, int]], dict[str, EngineCoreOutput], dict[str, list[int]]]:
@@ -360,40 +369,57 @@ def test_abort_frees_and_reports() -> None:
     assert sched.finish_requests("A", RequestStatus.FINISHED_ABORTED) == []
 
 
-def test_from_config_and_add_request_checks() -> None:
+def test_from_config() -> None:
     cfg = EngineConfig(max_num_seqs=3, block_size=8, enable_chunked_prefill=False)
     sched = Scheduler.from_config(cfg, num_kv_blocks=600, max_model_len=4096)
-    assert sched.max_num_batched_tokens == 4096 and sched.max_num_seqs == 3
-    with pytest.raises(ValueError):
+    assert sched.max_num_batched_tokens == 4096 and sched.max_num_seqs == 3  # a prompt fits a step
+    assert not sched.log_stats  # stats are off by default
+    with pytest.raises(ValueError, match="fewer than max_model_len=4096"):
         Scheduler.from_config(cfg, num_kv_blocks=10, max_model_len=4096)
-    sched = make_sched(max_logprobs=2)
-    with pytest.raises(ValueError):
-        sched.add_request(make_req("x", [1], logprobs=5))
-    with pytest.raises(ValueError):
-        sched.add_request(make_req("x", []))
-    sched.add_request(make_req("x", [1]))
-    with pytest.raises(ValueError):
-        sched.add_request(make_req("x", [1]))
-    assert sched.get_num_unfinished_requests() == 1
+    sched = Scheduler.from_config(EngineConfig(disable_log_stats=False), num_kv_blocks=600, max_model_len=4096)
+    assert sched.max_num_batched_tokens == 2048 and sched.log_stats
 
 
 def test_outputs_carry_logprobs_and_events() -> None:
-    sched = make_sched(max_num_batched_tokens=8)
+    sched = make_sched(max_num_batched_tokens=8, log_stats=True)
     sched.add_request(make_req("A", list(range(12)), max_tokens=2, prompt_logprobs=1))
     runner = FakeRunner(4)
     so = sched.schedule()
     ro = runner.execute(so)
-    marker = object()
-    ro.prompt_logprobs = {"A": marker}  # type: ignore[dict-item]
-    outs = sched.update_from_output(so, ro)
-    assert len(outs) == 1 and outs[0].new_token_ids == [] and outs[0].new_prompt_logprobs is marker
+    rows = LogprobsArrays(np.zeros((8, 2), np.int32), np.zeros((8, 2), np.float32), np.ones(8, np.int32))
+    ro.prompt_logprobs = {"A": rows}  # the first chunk: prompt positions 1..8
+    outs = update(sched, so, ro)
+    assert len(outs) == 1 and outs[0].new_token_ids == [] and outs[0].new_prompt_logprobs is rows
     kinds = [k for k, _ in outs[0].events or []]
     assert kinds == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
     so = sched.schedule()
     ro = runner.execute(so)
+    marker = object()
     ro.logprobs = {"A": marker}  # type: ignore[dict-item]
-    outs = sched.update_from_output(so, ro)
+    outs = update(sched, so, ro)
     assert outs[0].new_token_ids and outs[0].new_logprobs is marker and outs[0].events is None
+
+
+def test_events_only_with_stats() -> None:
+    """QUEUED, SCHEDULED and PREEMPTED are recorded (and shipped) only with log_stats."""
+    for log_stats in (False, True):
+        sched = make_sched(num_kv_blocks=8, max_model_len=32, log_stats=log_stats)
+        for i in range(4):
+            sched.add_request(make_req(f"r{i}", [i + 1] * 10, max_tokens=12))
+        kinds = {k for _, outs in run_steps(sched, FakeRunner(4)) for o in outs for k, _ in o.events or []}
+        assert sched.num_preemptions > 0
+        assert kinds == (set(EngineCoreEventType) if log_stats else set()), log_stats
+
+
+def test_outputs_grouped_by_client() -> None:
+    """Each output goes to the front-end that sent its request (Request.client_index)."""
+    sched = make_sched()
+    for rid, client in (("a1", b"fe-a"), ("b1", b"fe-b"), ("a2", b"fe-a"), ("local", None)):
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2), client_index=client))
+    so = sched.schedule()
+    by_client = sched.update_from_output(so, FakeRunner(4).execute(so))
+    assert {c: [o.request_id for o in outs] for c, outs in by_client.items()} == {
+        b"fe-a": ["a1", "a2"], b"fe-b": ["b1"], None: ["local"]}
 
 
 # ------------------------------------------------------------------ randomized invariants
@@ -450,7 +476,7 @@ def _random_case(seed: int) -> None:
             hits[n.req_id] = hits.get(n.req_id, 0) + n.num_computed_tokens
         for rid, n in so.num_scheduled_tokens.items():
             scheduled[rid] = scheduled.get(rid, 0) + n
-        for o in sched.update_from_output(so, runner.execute(so)):
+        for o in update(sched, so, runner.execute(so)):
             assert o.request_id not in finished
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:

@@ -28,11 +28,13 @@ import numpy as np
 import psutil
 import pytest
 
+from engine_utils import step_outputs
+from fault_injection import use_faulty_workers, worker_entry
 from tidal.core.engine_core import EngineCore
 from tidal.core.multiproc_executor import MultiprocExecutor, WorkerFailure
 from tidal.protocol import EngineConfig, SamplingParams
 from tidal.protocol.errors import EngineDeadError
-from tidal.protocol.messages import EngineCoreRequest, SchedulerOutput
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 
 LOGPROB_ATOL = 1e-4
 KILL_DEADLINE_S = 10.0
@@ -87,8 +89,8 @@ def run_workload(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, np.n
     lp_ids: dict[str, list[np.ndarray]] = {}
     lp_vals: dict[str, list[np.ndarray]] = {}
 
-    def collect(outs: Any) -> None:
-        for o in outs.outputs:
+    def collect(outs: list[EngineCoreOutput]) -> None:
+        for o in outs:
             assert o.error is None, o.error
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.new_logprobs is not None:
@@ -97,13 +99,13 @@ def run_workload(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, np.n
 
     assert core.add_request(request("r0", PROMPTS[0], MAX_TOKENS[0])) is None
     while not tokens.get("r0"):
-        collect(core.step())
+        collect(step_outputs(core))
     for i in range(1, len(PROMPTS)):
         assert core.add_request(request(f"r{i}", PROMPTS[i], MAX_TOKENS[i])) is None
     for _ in range(1000):
         if not core.has_unfinished_requests():
             break
-        collect(core.step())
+        collect(step_outputs(core))
     assert not core.has_unfinished_requests()
     stats = core.scheduler.make_stats()
     return (tokens, {k: np.concatenate(v) for k, v in lp_ids.items()},
@@ -122,9 +124,13 @@ def tp1_reference(model_dirs: dict[str, str]) -> dict[str, Any]:
     return ref
 
 
+_PROCESS_MARKERS = ("tidal.worker.worker_proc", "tidal.core.core_proc", "fault_injection.py")
+
+
 def worker_procs(marker: str | None = None) -> list[psutil.Process]:
-    """Live worker processes that are children of this process (or, with `marker`, any on the
-    machine whose command line holds it, e.g. a test-unique model path)."""
+    """Live worker and core processes that are children of this process (or, with `marker`,
+    any on the machine whose command line holds it, e.g. a test-unique model path); workers
+    started by tests/fault_injection.py count too."""
     if marker is None:
         candidates = psutil.Process().children(recursive=True)
     else:
@@ -133,8 +139,8 @@ def worker_procs(marker: str | None = None) -> list[psutil.Process]:
     for p in candidates:
         try:
             cmd = " ".join(p.cmdline())
-            if p.status() != psutil.STATUS_ZOMBIE and "tidal" in cmd and (
-                    "worker_proc" in cmd or "core_proc" in cmd) and (marker is None or marker in cmd):
+            if p.status() != psutil.STATUS_ZOMBIE and any(m in cmd for m in _PROCESS_MARKERS) and (
+                    marker is None or marker in cmd):
                 alive.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -239,7 +245,7 @@ def test_two_engines_side_by_side(model_dirs: dict[str, str], tp1_reference: dic
             core.add_request(request("again", PROMPTS[2], 4))
             out: list[int] = []
             while core.has_unfinished_requests():
-                out += [t for o in core.step().outputs for t in o.new_token_ids]
+                out += [t for o in step_outputs(core) for t in o.new_token_ids]
             assert out == ref_tokens["r2"][:4]
     finally:
         for core in cores:
@@ -276,7 +282,7 @@ def test_killed_worker_mid_generation(model_dirs: dict[str, str], no_leaks: None
 
 def test_injected_forward_exception(model_dirs: dict[str, str], no_leaks: None,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TIDAL_TEST_FAIL_AT_STEP", "1:3")
+    use_faulty_workers(monkeypatch, "1:3")
     core = make_core(model_dirs["qwen3-kv1"], 2)
     try:
         for i in range(2):
@@ -292,7 +298,7 @@ def test_injected_forward_exception(model_dirs: dict[str, str], no_leaks: None,
 
 def test_step_timeout_names_the_stuck_rank(model_dirs: dict[str, str], no_leaks: None,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TIDAL_TEST_FAIL_AT_STEP", "1:2:hang")
+    use_faulty_workers(monkeypatch, "1:2:hang")
     core = make_core(model_dirs["llama"], 2, worker_step_timeout_s=2.0)
     try:
         core.add_request(request("t0", PROMPTS[0], 10))
@@ -354,8 +360,10 @@ def _running(p: psutil.Process) -> bool:
 _CORE_SCRIPT = textwrap.dedent("""
     import sys, time
     from tidal.core.engine_core import EngineCore
+    from tidal.core.multiproc_executor import MultiprocExecutor
     from tidal.protocol import EngineConfig, SamplingParams
-    from tidal.protocol.messages import EngineCoreRequest, SchedulerOutput
+    MultiprocExecutor.worker_entry = tuple(sys.argv[2:])  # tests/fault_injection.py
+    from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
     core = EngineCore(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, dtype="float32",
                                    num_kv_blocks=40, max_model_len=96, device="cpu",
                                    engine_start_timeout_s=90, worker_step_timeout_s=600))
@@ -370,8 +378,7 @@ _CORE_SCRIPT = textwrap.dedent("""
 def test_workers_die_with_the_core_even_inside_a_collective(model_dirs: dict[str, str]) -> None:
     """Rank 1 hangs at step 2, so rank 0 sits inside a gloo collective; SIGKILL the core:
     PR_SET_PDEATHSIG must take both workers down at once."""
-    env = dict(os.environ, TIDAL_TEST_FAIL_AT_STEP="1:2:hang")
-    core = subprocess.Popen([sys.executable, "-c", _CORE_SCRIPT, model_dirs["llama"]], env=env,
+    core = subprocess.Popen([sys.executable, "-c", _CORE_SCRIPT, model_dirs["llama"], *worker_entry("1:2:hang")],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert core.stdout is not None

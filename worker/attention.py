@@ -9,7 +9,6 @@ gather, masks) is computed once in `AttentionMetadata.build`, not once per layer
 from __future__ import annotations
 
 import functools
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tidal.protocol import envs
+from tidal.protocol.utils import cdiv
 
 
 @dataclass
@@ -68,7 +70,7 @@ class DecodeGroup:
         contiguous = token_idx == list(range(start, start + len(seqs)))
         indices = None if contiguous else torch.tensor(token_idx, dtype=torch.long, device=device)
         lens_list = [seq_lens[i] for i in seqs]
-        num_blocks = -(-max(lens_list) // block_size)
+        num_blocks = cdiv(max(lens_list), block_size)
         gather_len = num_blocks * block_size
         lens = torch.tensor(lens_list, dtype=torch.long, device=device)
         rows = torch.tensor(seqs, dtype=torch.long, device=device)
@@ -260,16 +262,8 @@ class TorchAttentionBackend(AttentionBackend):
     ([B, KVH, H/KVH, D]), so GQA needs no K/V expansion. Only prefill chunks are looped over.
     """
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
@@ -281,15 +275,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._prefill(q, k, v, flat_k, flat_v, span, scale, out)
         return out
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:
         """Attention of every decode token; fills its rows of out and returns out (or, for a
         pure-decode batch, may return a new tensor instead)."""
         num_tokens, num_heads = q.shape[0], q.shape[1]
@@ -316,16 +303,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _prefill(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        span: PrefillSpan,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                 span: PrefillSpan, scale: float, out: torch.Tensor) -> None:
         s, e = span.q_start, span.q_end
         if span.kv_slots is None:
             k_i, v_i = k[s:e], v[s:e]
@@ -334,14 +313,9 @@ class TorchAttentionBackend(AttentionBackend):
             v_i = flat_v.index_select(0, span.kv_slots)
         out[s:e] = _sdpa_one_sequence(q[s:e], k_i, v_i, scale, span.mask)
 
-    @staticmethod
-    def _write_cache(
-        k: torch.Tensor,
-        v: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> None:
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                     metadata: AttentionMetadata) -> None:
+        """k/v [T, KVH, D] into the flat caches [slots, KVH, D] at metadata.slot_mapping."""
         slots = metadata.slot_mapping
         idx = metadata.write_token_indices
         if idx is not None:
@@ -350,35 +324,34 @@ class TorchAttentionBackend(AttentionBackend):
         flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
 
 
-@functools.cache
-def default_attention_backend() -> AttentionBackend:
-    """TIDAL_ATTENTION_BACKEND=torch forces the reference backend; the default ("auto") uses the
-    CPU kernel backend, which itself runs the torch path for whatever the kernel does not cover."""
-    choice = os.environ.get("TIDAL_ATTENTION_BACKEND", "auto")
-    if choice == "torch":
-        return TorchAttentionBackend()
-    if choice != "auto":
+def attention_backend_for(device: torch.device) -> AttentionBackend:
+    """The backend for KV caches on `device`: on CPU the C-kernel backend (which runs the torch
+    path wherever its kernels do not apply), elsewhere the torch reference (CUDA gets a Triton
+    backend later). TIDAL_ATTENTION_BACKEND=torch forces the reference everywhere."""
+    choice = envs.TIDAL_ATTENTION_BACKEND
+    if choice not in ("auto", "torch"):
         raise ValueError(f"TIDAL_ATTENTION_BACKEND={choice!r}: expected 'auto' or 'torch'")
+    return _shared_backend("cpu" if choice == "auto" and device.type == "cpu" else "torch")
+
+
+@functools.cache
+def _shared_backend(kind: str) -> AttentionBackend:
+    """Backends hold no state, so one instance of each serves every layer."""
+    if kind == "torch":
+        return TorchAttentionBackend()
     from tidal.worker.attention_cpu import CpuAttentionBackend  # imports this module
 
     return CpuAttentionBackend()
 
 
 class Attention(nn.Module):
-    """Per-layer attention; `k_cache`/`v_cache` are bound by the model runner.
+    """Per-layer attention; `k_cache`/`v_cache` are bound by the model runner, and the backend
+    follows the device they live on (chosen at the first step that reads them).
 
     Caches are plain attributes (not buffers) so they stay out of state_dict and `.to()`.
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        backend: AttentionBackend | None = None,
-        layer_idx: int = 0,
-    ) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -386,8 +359,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        self.layer_idx = layer_idx
-        self.backend: AttentionBackend = backend or default_attention_backend()
+        self.backend: AttentionBackend | None = None
         self.k_cache: torch.Tensor = torch.empty(0)
         self.v_cache: torch.Tensor = torch.empty(0)
 
@@ -402,6 +374,8 @@ class Attention(nn.Module):
             # Dummy/profile run: the whole input is one causal sequence, nothing is cached.
             out = causal_attention(q, k, v, self.scale)
         else:
+            if self.backend is None:
+                self.backend = attention_backend_for(self.k_cache.device)
             out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -26,14 +26,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and is_f32_cpu(q, k_cache, v_cache)  # builds the kernels on first use
         )
 
-    def _write_cache(  # type: ignore[override]
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> None:
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                     metadata: AttentionMetadata) -> None:
         """One C call copies every token's K and V row to its slot (padding slots < 0 skipped),
         instead of two index_copy_ calls and, for padded batches, three index_selects."""
         slots = metadata.slot_mapping
@@ -45,29 +39,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (k.shape[0],)
             and slots.device.type == "cpu" and is_f32_cpu(k, v, flat_k, flat_v)
         ):
-            return TorchAttentionBackend._write_cache(k, v, flat_k, flat_v, metadata)
+            return super()._write_cache(k, v, flat_k, flat_v, metadata)
         rc = cpu_kernels().tidal_write_kv_cache_f32(  # type: ignore[union-attr]
             ptr(k), k.stride(0), ptr(v), v.stride(0), ptr(slots), k.shape[0], ptr(flat_k), ptr(flat_v),
             flat_k.shape[0], row)
         if rc != 0:
             raise RuntimeError(f"KV cache write: a slot is outside the {flat_k.shape[0]}-slot cache")
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        if not self.supports(q, k_cache, v_cache):
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:
+        if not (self.supports(q, k_cache, v_cache) and out.shape == q.shape and out.is_contiguous()):
             return super()._decode(q, k_cache, v_cache, metadata, scale, out)
         num_heads, head_dim = q.shape[1], q.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
-        if out.shape != q.shape or not out.is_contiguous():
-            return super()._decode(q, k_cache, v_cache, metadata, scale, out)
+            q = q.contiguous()  # the kernel reads each row's heads back to back
         batch = metadata.paged_decode
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         rc = cpu_kernels().tidal_paged_decode_attention_f32(  # type: ignore[union-attr]

@@ -102,9 +102,9 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernels (functions typed per _SIGNATURES), or None when unavailable."""
-    if os.environ.get("TIDAL_CPU_KERNELS", "1") == "0":
+    if not envs.TIDAL_CPU_KERNELS:
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = envs.CC or shutil.which("cc") or shutil.which("gcc")
     compiler = shlex.split(cc) if cc else []  # CC may carry a launcher: "ccache gcc"
     if not compiler:
         logger.warning("no C compiler found; CPU kernels disabled, using torch ops")

@@ -17,7 +17,7 @@ from torch import nn
 from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
-from tidal.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, greedy_sample
+from tidal.worker.sampler import Sampler, SamplingMetadata, argmax, compute_prompt_logprobs
 
 
 def _plain_greedy(sp: SamplingParams) -> bool:
@@ -167,7 +167,7 @@ class ModelRunner:
         states = [self.requests[batch.req_ids[i]] for i in batch.sample_rows]
         if all(_plain_greedy(st.sampling_params) for st in states):
             # Nothing but an argmax to do: skip building the per-row sampling tensors.
-            sampled = greedy_sample(logits).tolist()
+            sampled = argmax(logits).tolist()
             for row, i in enumerate(batch.sample_rows):
                 out.sampled_token_ids[i] = [sampled[row]]
             return

@@ -24,8 +24,8 @@ from torch import nn
 
 from tidal.protocol.messages import LogprobsArrays
 from tidal.protocol.sampling_params import SamplingParams
+from tidal.protocol.utils import GREEDY_EPS
 
-_GREEDY_EPS = 1e-5  # same threshold as SamplingParams.sampling_type_greedy
 # Weights below 2^-100 of the row max are dropped (every row, so a draw never depends on its
 # batch): the per-row rescale by 1/omega then stays < 2^100 and float32 block sums cannot overflow.
 _WEIGHT_FLOOR = 2.0**-100
@@ -73,7 +73,7 @@ def _exponentials(keys: torch.Tensor, index: torch.Tensor, salt: int) -> torch.T
 class SamplingMetadata:
     """One row per request that samples this step (built by the model runner)."""
 
-    temperature: torch.Tensor  # [B] float32; rows < 1e-5 are greedy (build() writes exactly 0)
+    temperature: torch.Tensor  # [B] float32; rows < GREEDY_EPS are greedy (build() writes exactly 0)
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None  # [B] int64, 0 = off (None when no row uses it)
@@ -95,7 +95,7 @@ class SamplingMetadata:
               positions: list[int], eos_token_ids: list[int | None], vocab_size: int,
               device: torch.device | str = "cpu") -> SamplingMetadata:
         """From per-row inputs; knobs no row uses get no tensor (and cost the sampler nothing)."""
-        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        greedy = [p.sampling_type_greedy for p in params]
 
         def opt(values: list[float] | list[int], off: float, dtype: torch.dtype) -> torch.Tensor | None:
             return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=device)
@@ -184,14 +184,10 @@ def _block_gather(x: torch.Tensor, blocks: torch.Tensor, bs: int, fill: float
     return vals, idx
 
 
-def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy tokens of [B, V] logits: the first maximal index per row, like torch.argmax."""
-    return _argmax(logits)
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """argmax(-1) (first maximal index, like torch's), ~8x faster on CPU: torch's argmax is a
-    scalar loop, amax is vectorised, so find the first block holding the max, then look inside."""
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) of [B, V] (the first maximal index, so greedy tokens of logits), ~8x faster
+    on CPU: torch's argmax is a scalar loop, amax is vectorised, so find the first block holding
+    the max, then look inside."""
     bs = _PREFILTER_BLOCK
     if x.shape[1] <= 4 * bs:
         return x.argmax(-1)
@@ -255,7 +251,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         B, V = logits.shape
         if md.all_greedy and md.no_penalties and not md.min_tokens:
-            tokens = _argmax(logits)  # nothing to process: no copy
+            tokens = argmax(logits)  # nothing to process: no copy
         else:
             x = self._buf("work", B, V, torch.float32, logits.device).copy_(logits)  # logits stay raw
             self.apply_penalties(x, md)
@@ -370,7 +366,7 @@ class Sampler(nn.Module):
         x = logits.to(torch.float32, copy=True)
         self.apply_penalties(x, md)
         probs = torch.softmax(x, dim=-1)
-        rows = (md.temperature >= _GREEDY_EPS).nonzero().squeeze(1)
+        rows = (md.temperature >= GREEDY_EPS).nonzero().squeeze(1)
         if rows.numel():
             w = self._weights_of_rows(x, md, rows)
             probs[rows] = w / w.sum(-1, keepdim=True)
@@ -378,9 +374,9 @@ class Sampler(nn.Module):
 
     def _sample(self, x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:  # no weights, no hashing
-            return _argmax(x)
-        greedy = None if md.all_random else _argmax(x)
-        rows = None if md.all_random else (md.temperature >= _GREEDY_EPS).nonzero().squeeze(1)
+            return argmax(x)
+        greedy = None if md.all_random else argmax(x)
+        rows = None if md.all_random else (md.temperature >= GREEDY_EPS).nonzero().squeeze(1)
         w = self._weights_of_rows(x, md, rows)  # greedy rows skip the random path
         keys = row_keys(_take(md.seeds, rows), _take(md.positions, rows))  # type: ignore[arg-type]
         tokens = self.race(w, keys)

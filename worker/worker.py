@@ -12,6 +12,7 @@ import torch
 
 from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from tidal.protocol.utils import max_useful_kv_blocks, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,8 @@ class Worker:
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif "OMP_NUM_THREADS" not in os.environ:
-            # CPU ranks share the cores: oversubscribed OpenMP threads spin against each other
-            # and a matmul can get 10x slower, so each rank takes its share.
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            torch.set_num_threads(max(1, (cores or 1) // self.world_size))
+        elif "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+            torch.set_num_threads(threads_per_rank(self.world_size))
         if self.world_size > 1:
             from tidal.worker.parallel_state import init_distributed
 
@@ -107,10 +105,7 @@ class Worker:
             budget = int(free - total * (1 - cfg.gpu_memory_utilization))
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        blocks = budget // per_block
-        # More blocks than every sequence at full length can use is memory for nothing.
-        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
-        blocks = min(blocks, cfg.max_num_seqs * blocks_per_seq + 1)
+        blocks = min(budget // per_block, max_useful_kv_blocks(cfg.max_num_seqs, self.max_model_len, cfg.block_size))
         if blocks < 1:
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes: "

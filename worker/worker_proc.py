@@ -28,6 +28,7 @@ from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import SchedulerOutput, WorkerFrame
 from tidal.protocol.process import exit_with_parent
+from tidal.protocol.utils import format_frames, setup_logging, summarize_exception
 
 logger = logging.getLogger("tidal.worker")
 
@@ -36,28 +37,10 @@ READY, OUTPUT, FAILED = WorkerFrame.READY, WorkerFrame.OUTPUT, WorkerFrame.FAILE
 IN_COLLECTIVE, WHERE = WorkerFrame.IN_COLLECTIVE, WorkerFrame.WHERE
 
 _POLL_MS = 500
-# TEST ONLY: "RANK:STEP" makes that rank raise when it receives its STEP-th step (1-based);
-# "RANK:STEP:hang" makes it stop answering instead. Read here and nowhere else.
-TEST_FAIL_ENV = "TIDAL_TEST_FAIL_AT_STEP"
-
-
-def _test_fault(rank: int) -> tuple[int, bool] | None:
-    spec = os.environ.get(TEST_FAIL_ENV)
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if int(parts[0]) != rank:
-        return None
-    return int(parts[1]), len(parts) > 2 and parts[2] == "hang"
 
 
 def _in_collective(frames: list[traceback.FrameSummary]) -> bool:
     return any(os.path.join("torch", "distributed") in f.filename for f in frames)
-
-
-def _where(frames: list[traceback.FrameSummary]) -> str:
-    """Innermost frame first: "file.py:12 fn <- caller.py:34 caller"."""
-    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
 
 
 class _State:
@@ -82,7 +65,7 @@ def _start_probe_thread(probe_address: str, result_address: str, rank: int) -> N
             frame = sys._current_frames().get(main_ident)  # noqa: SLF001 - a stack snapshot
             stack = traceback.extract_stack(frame) if frame is not None else []
             out.send_multipart([WHERE, str(rank).encode(), str(_State.busy_step).encode(),
-                                _where(stack[-4:]).encode(), IN_COLLECTIVE if _in_collective(stack) else b""])
+                                format_frames(stack[-4:]).encode(), IN_COLLECTIVE if _in_collective(stack) else b""])
 
     threading.Thread(target=run, name="tidal-worker-probe", daemon=True).start()
 
@@ -102,8 +85,6 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     results.connect(result_address)
     me = str(rank).encode()
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(SchedulerOutput)
-    fault = _test_fault(rank)
-    worker = None
     try:
         from tidal.worker.worker import Worker
 
@@ -128,21 +109,14 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
                 continue
             num_steps += 1
             _State.busy_step = num_steps
-            scheduler_output = decoder.decode([f.buffer for f in frames[1:]])
-            if fault is not None and fault[0] == num_steps:
-                if fault[1]:
-                    while True:
-                        time.sleep(3600)
-                raise RuntimeError(f"injected failure at step {num_steps} ({TEST_FAIL_ENV})")
-            out = worker.execute_model(scheduler_output)
+            out = worker.execute_model(decoder.decode([f.buffer for f in frames[1:]]))
             if out is not None:
                 results.send_multipart([OUTPUT, me, *encoder.encode(out)], copy=False)
             _State.busy_step = 0
     except BaseException as e:  # noqa: BLE001 - every failure must reach the core, named
         logger.error("worker rank %d failed", rank, exc_info=True)
-        stack = traceback.extract_tb(e.__traceback__)
-        frames = [FAILED, me, f"{type(e).__name__}: {e} (at {_where(stack[-3:])})".encode(errors="replace")]
-        if _in_collective(stack):
+        frames = [FAILED, me, summarize_exception(e).encode(errors="replace")]
+        if _in_collective(traceback.extract_tb(e.__traceback__)):
             frames.append(IN_COLLECTIVE)
         try:
             results.send_multipart(frames)
@@ -165,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--result-address", required=True)
     ap.add_argument("--probe-address", required=True)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING").upper(),
-                        format=f"%(asctime)s %(levelname)s [worker rank{a.rank} %(process)d] %(name)s: %(message)s")
+    setup_logging(f"worker rank{a.rank}")
     code = run_worker(EngineConfig.from_json(a.config_json), a.rank, a.world_size, a.init_method,
                       a.step_address, a.result_address, a.probe_address, a.listen_fd)
     # Skip interpreter teardown (torch/gloo destructors, the probe thread): nothing is left to

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.protocol.utils import cdiv
 from tidal.worker.layers.gemm import PackedWeight, linear, pack_if_enabled
 from tidal.worker.layers.linear import LoadedWeight, copy_checked, narrow_weight, weight_shape
 from tidal.worker.parallel_state import (
@@ -24,20 +25,18 @@ from tidal.worker.parallel_state import (
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.num_embeddings = num_embeddings  # the true vocab size
         self.embedding_dim = embedding_dim
-        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.num_embeddings_per_partition = cdiv(num_embeddings, self.tp_size)
         self.num_embeddings_padded = self.num_embeddings_per_partition * self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
-        dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(
-            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
-        )
+        # Default dtype and device: the loader sets them.
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:

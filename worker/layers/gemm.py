@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
+
+from tidal.protocol import envs
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def _onednn_self_test(dtype: torch.dtype) -> bool:
 
 
 def onednn_gemm_enabled(weight: torch.Tensor) -> bool:
-    if os.environ.get("TIDAL_CPU_ONEDNN_GEMM", "1") == "0":
+    if not envs.TIDAL_CPU_ONEDNN_GEMM:
         return False
     if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
         return False

@@ -14,11 +14,11 @@ from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.variance_epsilon = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)  # default dtype, as the loader sets
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same op order as HF LlamaRMSNorm: normalize in float32, cast back, then scale, so

@@ -13,12 +13,7 @@ import torch
 from torch import nn
 
 from tidal.worker.layers.gemm import PackedWeight, linear, pack_if_enabled
-from tidal.worker.parallel_state import (
-    get_tp_rank,
-    get_tp_size,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
+from tidal.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
 class WeightSlice(Protocol):
@@ -79,28 +74,23 @@ def divide(numerator: int, denominator: int) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        params_dtype: torch.dtype | None,
-    ) -> None:
+    """Parameters are made in torch's default dtype and device, which the loader sets."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.params_dtype = params_dtype or torch.get_default_dtype()
         self.has_bias = bias
         self.packed_weight: PackedWeight | None = None
 
     def _make_params(self, out_features: int, in_features: int, bias: bool) -> None:
         # torch.empty: the loader (or dummy init) fills every element.
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.params_dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=self.params_dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
@@ -124,31 +114,11 @@ class LinearBase(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, tp_size={self.tp_size}"
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, params_dtype: torch.dtype | None = None) -> None:
-        super().__init__(input_size, output_size, bias, params_dtype)
-        self._make_params(output_size, input_size, bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
-        default_weight_loader(param, loaded)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
-
-
 class ColumnParallelLinear(LinearBase):
     """Y = X A^T with A's output rows split across ranks; each rank yields its slice of Y."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        gather_output: bool = False,
-        params_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(input_size, output_size, bias, params_dtype)
-        self.gather_output = gather_output
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias)
         self.output_size_per_partition = divide(output_size, self.tp_size)
         self._make_params(self.output_size_per_partition, input_size, bias)
 
@@ -159,10 +129,7 @@ class ColumnParallelLinear(LinearBase):
         copy_checked(param.data, shard, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
-        if self.gather_output and self.tp_size > 1:
-            y = tensor_model_parallel_all_gather(y, dim=-1)
-        return y
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -171,16 +138,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank holds [gate_shard; up_shard], so SiluAndMul splits the local output in halves.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: list[int],
-        bias: bool = False,
-        gather_output: bool = False,
-        params_dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype)
+        super().__init__(input_size, sum(output_sizes), bias)
         for size in output_sizes:
             divide(size, self.tp_size)
 
@@ -206,15 +166,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     r * total_num_kv_heads // tp_size, which is the kv head its query heads belong to.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_size: int,
-        total_num_heads: int,
-        total_num_kv_heads: int | None = None,
-        bias: bool = False,
-        params_dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int | None = None, bias: bool = False) -> None:
         tp_size = get_tp_size()
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size = head_size
@@ -227,7 +180,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = divide(total_num_kv_heads, tp_size)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
-        super().__init__(hidden_size, output_size, bias, False, params_dtype)
+        super().__init__(hidden_size, output_size, bias)
 
     def _shard_layout(self, shard_id: str) -> tuple[int, int, int]:
         """(offset in local param, size, start in the checkpoint tensor) for one of q/k/v."""
@@ -261,18 +214,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Y = X A^T with A's input columns split across ranks; partial sums are all-reduced."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        input_is_parallel: bool = True,
-        reduce_results: bool = True,
-        params_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(input_size, output_size, bias, params_dtype)
-        self.input_is_parallel = input_is_parallel
-        self.reduce_results = reduce_results
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias)
         self.input_size_per_partition = divide(input_size, self.tp_size)
         self._make_params(output_size, self.input_size_per_partition, bias)
 
@@ -286,16 +229,11 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, shard, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: this rank's slice of the input columns (a column-parallel layer's output)."""
         if self.tp_size == 1:
             return self.matmul(x, self.bias)
-        if not self.input_is_parallel:
-            x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
-        y = self.matmul(x, None)
-        if self.reduce_results:
-            y = tensor_model_parallel_all_reduce(y)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        y = tensor_model_parallel_all_reduce(self.matmul(x, None))
+        return y if self.bias is None else y + self.bias
 
 
 class _Rows:

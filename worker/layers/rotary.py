@@ -1,7 +1,8 @@
 """Rotary position embedding (neox / rotate_half style, as HF Llama) applied by position ids.
 
 cos/sin are cached in float32 for every position up to max_position and cast to the query
-dtype when applied, the same rounding HF uses, so bf16 results match transformers.
+dtype when applied, the same rounding HF uses, so bf16 results match transformers. One table
+serves every layer; layers/qk_norm_rope.py applies it (fused with Qwen3's q/k norms on CPU).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
 
 
 def rope_params_from_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -97,50 +96,6 @@ class RotaryEmbedding(nn.Module):
         k = self._rotate(key.view(num_tokens, -1, self.head_size), cos, sin).view_as(key)
         return q, k
 
-    def forward_qkv_inplace(
-        self,
-        positions: torch.Tensor,
-        qkv: torch.Tensor,
-        num_q_heads: int,
-        num_kv_heads: int,
-        q_norm_weight: torch.Tensor | None,
-        k_norm_weight: torch.Tensor | None,
-        eps: float,
-    ) -> bool:
-        """On CPU in float32: per-head RMSNorm of q and k (when weights are given, Qwen3) then
-        RoPE, in place on the fused qkv projection output [T, (Hq + 2 Hkv) * D], in one C pass.
-        Returns False, touching nothing, when the kernel does not apply (the caller then runs
-        the torch ops)."""
-        weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
-        width = (num_q_heads + 2 * num_kv_heads) * self.head_size
-        if not (
-            qkv.dim() == 2 and qkv.shape[1] == width and qkv.stride(1) == 1 and qkv.stride(0) >= width
-            and positions.shape == (qkv.shape[0],) and positions.device.type == "cpu"
-            and self.head_size % 2 == 0 and all(w.shape == (self.head_size,) and w.is_contiguous() for w in weights)
-            and is_f32_cpu(qkv, self.cos_cache, *weights)
-        ):
-            return False  # the torch ops run (and raise whatever shape errors there are)
-        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else positions.long().contiguous()
-        lib = cpu_kernels()
-        assert lib is not None
-        rc = lib.tidal_qk_norm_rope_f32(
-            ptr(qkv), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, self.head_size,
-            ptr(q_norm_weight) if q_norm_weight is not None else None,
-            ptr(k_norm_weight) if k_norm_weight is not None else None,
-            eps, ptr(pos), ptr(self.cos_cache), ptr(self.sin_cache), self.max_position)
-        if rc != 0:
-            raise IndexError(f"rotary embedding: a position is outside [0, {self.max_position})")
-        return True
-
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, max_position={self.max_position}, base={self.base}, type={self.rope_type}"
 
-
-def get_rope(
-    head_size: int,
-    rotary_dim: int,
-    max_position: int,
-    base: float,
-    rope_scaling: dict[str, Any] | None = None,
-) -> RotaryEmbedding:
-    return RotaryEmbedding(head_size, rotary_dim, max_position, base, rope_scaling)

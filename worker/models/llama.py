@@ -25,7 +25,8 @@ from tidal.worker.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from tidal.worker.layers.rotary import RotaryEmbedding, get_rope, rope_params_from_config
+from tidal.worker.layers.qk_norm_rope import QKNormRope
+from tidal.worker.layers.rotary import RotaryEmbedding, rope_params_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -53,53 +54,29 @@ class AttentionOptions:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, opts: AttentionOptions) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, opts: AttentionOptions) -> None:
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.total_num_heads = config.num_attention_heads
-        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.total_num_heads
-        self.qkv_proj = QKVParallelLinear(
-            self.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=opts.qkv_bias
-        )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=opts.o_bias)
-        # One RotaryEmbedding (cos/sin table) shared by all layers, as vLLM's get_rope cache does.
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx=layer_idx
-        )
-        self.qk_norm = opts.qk_norm
-        if opts.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        hidden_size = config.hidden_size
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        head_dim = rotary_emb.head_size  # LlamaModel read it from the config
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, total_num_heads, total_num_kv_heads,
+                                          bias=opts.qkv_bias)
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.qk_norm_rope = QKNormRope(rotary_emb, num_heads, num_kv_heads,
+                                       config.rms_norm_eps if opts.qk_norm else None)
+        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads)
+        self.o_proj = RowParallelLinear(total_num_heads * head_dim, hidden_size, bias=opts.o_bias)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        # One C pass does the q/k norms and RoPE in place on CPU float32; else the torch ops.
-        fused = self.rotary_emb.forward_qkv_inplace(
-            positions, qkv, self.num_heads, self.num_kv_heads,
-            norms[0].weight if norms else None, norms[1].weight if norms else None,
-            norms[0].variance_epsilon if norms else 0.0)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if not fused:
-            num_tokens = q.shape[0]
-            if norms:
-                q = norms[0](q.reshape(num_tokens, self.num_heads, self.head_dim))
-                k = norms[1](k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary_emb(positions, q, k)
-            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+        q, k, v = self.qk_norm_rope(positions, self.qkv_proj(hidden_states))
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, opts: AttentionOptions) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, opts: AttentionOptions) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, layer_idx, opts)
+        self.self_attn = LlamaAttention(config, rotary_emb, opts)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -128,11 +105,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_theta, rope_scaling = rope_params_from_config(config)
-        self.rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        self.rotary_emb = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, i, opts)
-            for i in range(config.num_hidden_layers)
-        )
+            LlamaDecoderLayer(config, self.rotary_emb, opts) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -145,13 +120,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # (fused param name, checkpoint name, shard id)
-    packed_modules_mapping: list[tuple[str, str, str | int]] = [
+    # (our param name, checkpoint name, shard id): fused projections take their parts by shard
+    # id; shard id None is a plain rename (the q/k norms live in the QKNormRope layer).
+    packed_modules_mapping: list[tuple[str, str, str | int | None]] = [
         (".qkv_proj", ".q_proj", "q"),
         (".qkv_proj", ".k_proj", "k"),
         (".qkv_proj", ".v_proj", "v"),
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
+        (".qk_norm_rope.q_norm", ".q_norm", None),
+        (".qk_norm_rope.k_norm", ".k_norm", None),
     ]
 
     def __init__(self, hf_config: Any) -> None:

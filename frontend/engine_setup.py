@@ -1,0 +1,109 @@
+"""What `LLM` and `AsyncLLM` share: setting up a front-end (its tokenizer, the core's limits,
+the input/output processors built on them, the core client) and shutting it down."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Generic, Iterable, TypeVar
+
+from tidal.frontend.core_client import AsyncMPClient, InprocClient, SyncMPClient
+from tidal.frontend.input_processor import InputProcessor
+from tidal.frontend.output_processor import OutputProcessor, RequestOutputCollector
+from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest
+from tidal.protocol.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=InprocClient | SyncMPClient | AsyncMPClient)
+
+
+class FrontEnd(Generic[C]):
+    """The parts both front-ends hold, and their life cycle. Subclasses call `_start` once."""
+
+    _closed = True  # until _start succeeded: a failed __init__ leaves shutdown() and __del__ harmless
+    config: EngineConfig
+    engine_core: C  # the core client
+    tokenizer: Any
+    info: ResolvedEngineInfo
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+
+    def _start(self, config: EngineConfig, make_client: Callable[[EngineConfig], C]) -> None:
+        """Check the model (a ValueError before any process starts), start the core client (the
+        core loads its model while this process loads the tokenizer), wait for the core's
+        limits, and build the input/output processors on them."""
+        if config.model and os.path.isdir(config.model):
+            check_model_architecture(config.model)
+        client = make_client(config)
+        try:
+            tokenizer = load_tokenizer(config)
+            info = client.wait_ready()
+        except BaseException:
+            client.shutdown()
+            raise
+        self.config, self.engine_core, self.tokenizer, self.info = config, client, tokenizer, info
+        self.input_processor = InputProcessor(tokenizer, max_model_len=info.max_model_len,
+                                              vocab_size=info.vocab_size, max_logprobs=config.max_logprobs)
+        self.output_processor = OutputProcessor(tokenizer, log_stats=not config.disable_log_stats)
+        self._closed = False
+
+    def _send(self, request: EngineCoreRequest, prompt: str | None,
+              queue: RequestOutputCollector | None = None) -> None:
+        """Track a processed request and send it (n > 1: its children) to the core."""
+        for req in self.output_processor.add_request(request, prompt, queue):
+            self.engine_core.add_request(req)
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | Exception]:
+        """Process core outputs (see OutputProcessorOutput); the requests a stop string finished
+        here are aborted in the core, which has not finished them."""
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def _abort_silently(self, request_ids: Iterable[str]) -> None:
+        """End these requests (a parent id: its children) without output, here and in the core,
+        which may be gone already: then there is nothing left to abort there."""
+        ids = self.output_processor.abort_requests(request_ids)
+        try:
+            self.engine_core.abort_requests(ids)
+        except Exception as e:
+            logger.debug("abort of %s not sent: %s", ids, e)
+
+    def shutdown(self) -> None:
+        """Stop the engine core; idempotent. A headless core keeps running: it is told to drop
+        this front-end's requests."""
+        if self._closed:
+            return
+        self._closed = True
+        self._on_shutdown()
+        self.engine_core.shutdown(abort=list(self.output_processor.request_states))
+
+    def _on_shutdown(self) -> None:
+        """Before the core client stops (AsyncLLM fails the open streams here)."""
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The Hugging Face tokenizer of `config.tokenizer_path` (a fast one when it exists)."""
+    path = config.tokenizer_path
+    if not path:
+        raise ValueError("no model or tokenizer given")
+    # "org/name" may be a hub id (resolved through the HF cache); an absolute or explicitly
+    # relative path is a local directory, and a clear message beats the hub's validation error.
+    if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(f"model directory {path!r} does not exist")
+    if os.path.isdir(path) and not any(
+            os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                            "tokenizer.model", "vocab.json")):
+        raise ValueError(f"no tokenizer files in {path!r}; pass tokenizer=... to name another directory")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings from the Rust pool
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)

@@ -1,0 +1,41 @@
+"""n > 1 requests (vLLM V1's parallel_sampling.py): one parent, n children in the core."""
+from __future__ import annotations
+
+from tidal.protocol.messages import EngineCoreRequest
+from tidal.protocol.outputs import CompletionOutput
+from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+
+class ParentRequest:
+    """An n > 1 request fanned out to n children `f"{index}_{parent_id}"`, child i seeded
+    `seed + i`; aggregates their CompletionOutputs under the parent's id."""
+
+    __slots__ = ("request_id", "sampling_params", "child_requests", "output_aggregator")
+
+    def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
+        self.request_id, self.sampling_params = request_id, sampling_params
+        self.child_requests: set[str] = set()  # children not finished yet
+        self.output_aggregator: list[CompletionOutput | None] = [None] * sampling_params.n
+
+    def make_children(self, request: EngineCoreRequest) -> list[EngineCoreRequest]:
+        """The n child `EngineCoreRequest`s of the parent's (processed) request."""
+        seed, children = self.sampling_params.seed, []
+        for i in range(self.sampling_params.n):
+            params = self.sampling_params.clone(n=1, seed=None if seed is None else seed + i)
+            children.append(EngineCoreRequest(f"{i}_{self.request_id}", request.prompt_token_ids,
+                                              params, request.eos_token_id, request.arrival_time))
+        self.child_requests.update(c.request_id for c in children)
+        return children
+
+    def get_outputs(self, child_request_id: str,
+                    completion: CompletionOutput) -> tuple[list[CompletionOutput], bool]:
+        """(outputs to emit now, whether the parent is finished)."""
+        if completion.finish_reason is not None:
+            self.child_requests.discard(child_request_id)
+        finished = not self.child_requests
+        if self.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+            return [completion], finished
+        self.output_aggregator[completion.index] = completion
+        if not finished:
+            return [], False
+        return [c for c in self.output_aggregator if c is not None], True
