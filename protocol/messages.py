@@ -46,6 +46,7 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = 0.0
+    priority: int = 0  # scheduling_policy="priority": lower runs first (vLLM's convention)
 
 
 class UtilityRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]

@@ -28,11 +28,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         return "the prompt is empty: it must hold at least one token"
     if n > max_len:
         return f"prompt length {n} exceeds max_model_len {max_len}"
-    if params.max_tokens is None:
-        if n >= max_len:  # at least one token must be generated
-            return f"prompt length {n} leaves no room to generate within max_model_len {max_len}"
-    elif n + params.max_tokens > max_len:
-        return f"prompt length {n} + max_tokens {params.max_tokens} exceeds max_model_len {max_len}"
+    if n == max_len:  # at least one token must be generated
+        return f"prompt length {n} leaves no room to generate within max_model_len {max_len}"
+    # max_tokens past the context window is no error (as in vLLM): the engine stops the
+    # request at max_model_len with finish_reason "length".
     lo, hi = min(prompt_token_ids), max(prompt_token_ids)
     if lo < 0 or hi >= vocab:
         return f"prompt token id {lo if lo < 0 else hi} is out of vocabulary range [0, {vocab})"

@@ -56,7 +56,6 @@ def test_single_and_shared_params_and_prompt_forms(llm: LLM, capsys: Any) -> Non
     (["ok", "x" * 5000], None),  # longer than max_model_len
     (["ok", "ok"], [SamplingParams()]),  # params list of the wrong length
     (["ok", "ok"], [SamplingParams(), "temperature=0"]),  # not SamplingParams
-    (["ok", "ok"], SamplingParams(max_tokens=4000)),  # prompt + max_tokens > max_model_len
     (["ok"], SamplingParams(logprobs=1000)),  # more than max_logprobs
 ])
 def test_bad_input_raises_before_anything_runs(llm: LLM, prompts: Any, params: Any) -> None:
@@ -66,6 +65,14 @@ def test_bad_input_raises_before_anything_runs(llm: LLM, prompts: Any, params: A
     assert not llm.output_processor.has_unfinished_requests()
     stats = llm.get_stats()
     assert stats.num_prompt_tokens == before and stats.num_waiting_reqs == stats.num_running_reqs == 0
+
+
+def test_max_tokens_past_the_window_stops_at_max_model_len(llm: LLM) -> None:
+    """As vLLM's engine: no error, the request ends at max_model_len with "length"."""
+    prompt = {"prompt_token_ids": [t % 500 + 1 for t in range(2000)]}
+    out = llm.generate(prompt, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2048 - 2000
+    assert out.outputs[0].finish_reason == "length"
 
 
 def test_stop_string_and_stats(llm: LLM) -> None:
