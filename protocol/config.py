@@ -18,6 +18,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
 
 
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "tokenizer_mode": ("auto", "hf", "slow"),
+    "scheduling_policy": ("fcfs", "priority"),
+    "logprobs_mode": ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+    "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = ""
@@ -45,6 +53,15 @@ class EngineConfig:
     # "torch": the real model runner; "null": a torch-free stand-in that returns one token per
     # request at once (front-end benchmarks and process tests that must not pay for a model).
     model_runner: str = "torch"
+    # vLLM engine args that mean something here (EngineArgs maps the rest: no-op or refused).
+    tokenizer_mode: str = "auto"  # auto | hf (fast tokenizer) | slow
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, no text out
+    revision: str | None = None  # model revision on the hub (local directories ignore it)
+    tokenizer_revision: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs (the CPU path never captures any)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    logprobs_mode: str = "raw_logprobs"  # raw_logprobs | raw_logits | processed_logprobs | processed_logits
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,6 +80,9 @@ class EngineConfig:
             raise ValueError(f"model_runner must be torch or null, got {self.model_runner!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
 
     @property
     def tokenizer_path(self) -> str:
