@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from tidal.core.executor import Executor
 from tidal.core.request import ClientIndex, Request, RequestStatus
+from tidal.core.request_queue import SchedulingPolicy
 from tidal.core.scheduler import Scheduler
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -72,6 +73,8 @@ class EngineCore:
             return f"request id {req.request_id!r} is already running"
         if req.sampling_params.n != 1:
             return "the engine core takes n=1 requests; the front-end fans out n > 1"
+        if req.priority != 0 and self.scheduler.policy != SchedulingPolicy.PRIORITY:
+            return f"Got priority {req.priority} but Priority scheduling is not enabled."  # vLLM's words
         return check_request(req.prompt_token_ids, req.sampling_params, self.limits, req.eos_token_id)
 
     def abort_requests(self, request_ids: list[str], client_index: ClientIndex = None) -> None:

@@ -7,12 +7,15 @@ Invariants:
 - `block_hashes` holds the hash chain of a prefix of the request's *full* blocks; the KV cache
   manager extends it lazily (it owns the block size), it never shrinks.
 - Facts about a request live on it, not in side maps keyed by its id: who sent it
-  (`client_index`) and how many prompt-logprob rows were sent, so nothing is left to clean up
-  when it ends.
+  (`client_index`), its `priority`, and how many prompt-logprob rows were sent, so nothing is
+  left to clean up when it ends.
+- `sort_key` = (priority, arrival_time, creation order) is unique per request and fixed for its
+  life: the priority policy's admission order (ascending) and preemption order (descending).
 """
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 from tidal.protocol.messages import EngineCoreEventType, EngineCoreRequest, FinishReason
@@ -23,6 +26,8 @@ EngineCoreEvent = tuple[int, float]
 # The front-end a request came from, where its outputs go (vLLM's client_index): the ZMQ
 # identity of its socket in the core process, None for a caller in this process.
 ClientIndex = bytes | None
+# Creation order of requests in this process: the last tie-breaker of `Request.sort_key`.
+_creation_counter = itertools.count()
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,13 +71,16 @@ class Request:
         *,
         max_model_len: int | None = None,
         client_index: ClientIndex = None,
+        priority: int = 0,
     ) -> None:
         self.request_id: str = request_id
         self.client_index: ClientIndex = client_index
+        self.priority: int = priority  # scheduling_policy="priority": lower runs first
         self.prompt_token_ids: list[int] = prompt_token_ids  # never mutated
         self.sampling_params: SamplingParams = sampling_params
         self.eos_token_id: int | None = eos_token_id
         self.arrival_time: float = time.time() if arrival_time is None else arrival_time
+        self.sort_key: tuple[int, float, int] = (priority, self.arrival_time, next(_creation_counter))
 
         if sampling_params.max_tokens is not None:
             self.max_tokens: int = sampling_params.max_tokens
@@ -108,6 +116,7 @@ class Request:
             arrival_time=req.arrival_time,
             max_model_len=max_model_len,
             client_index=client_index,
+            priority=req.priority,
         )
 
     # ------------------------------------------------------------------ tokens

@@ -12,14 +12,22 @@ Invariants:
 - The scheduler trusts its caller: a request it is given passed `check_request` and its id is
   not in `requests` (EngineCore checks both).
 - Request events (QUEUED, SCHEDULED, PREEMPTED) are recorded only with `log_stats`.
+- Policy (`scheduling_policy`, vLLM's): `waiting` is a RequestQueue (core/request_queue.py)
+  that admits FCFS, or by `Request.sort_key` (priority, arrival) under "priority". When blocks
+  run out for a running request, the victim is the tail of `running` (FCFS) or the running
+  request with the largest sort key (priority); a victim already scheduled this step is taken
+  back out of the step (its tokens return to the budget). As in vLLM V1, a waiting request
+  never preempts a running one: a high-priority arrival is admitted when blocks allow, and from
+  then on the lower-priority running requests are the ones preempted as blocks run out.
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.request import ClientIndex, Request, RequestStatus
+from tidal.core.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import (
     CachedRequestData,
@@ -31,6 +39,18 @@ from tidal.protocol.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+
+@dataclass
+class _StepPlan:
+    """What `schedule()` has decided so far in one step."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    # By id, in scheduling order: a priority preemption may take one back out.
+    cached_reqs: dict[str, CachedRequestData] = field(default_factory=dict)
+    preempted: bool = False
 
 
 class Scheduler:
@@ -45,6 +65,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         log_stats: bool = False,
+        policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -65,11 +86,12 @@ class Scheduler:
         self.max_model_len: int = max_model_len
         self.enable_chunked_prefill: bool = enable_chunked_prefill
         self.log_stats: bool = log_stats
+        self.policy: SchedulingPolicy = SchedulingPolicy(policy)
         self.kv_cache_manager: KVCacheManager = KVCacheManager(
             num_kv_blocks, block_size, enable_caching=enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Ids whose runner state must be dropped; sent (then cleared) by the next schedule().
         self.finished_req_ids: dict[str, None] = {}  # ordered set
@@ -94,6 +116,7 @@ class Scheduler:
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             log_stats=not cfg.disable_log_stats,
+            policy=cfg.scheduling_policy,
         )
 
     # ------------------------------------------------------------------ requests in / out
@@ -104,7 +127,7 @@ class Scheduler:
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort, error): free their blocks, drop them from the
@@ -113,6 +136,7 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         ended: list[Request] = []
+        waiting: list[Request] = []
         any_running = False
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -121,12 +145,14 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 any_running = True  # removed from `running` below, in one pass
             else:
-                self.waiting.remove(request)
+                waiting.append(request)
             request.status = status
             self._free_request(request)
             ended.append(request)
         if any_running:
             self.running = [r for r in self.running if not r.is_finished()]
+        if waiting:
+            self.waiting.remove_requests(waiting)
         return ended
 
     def _free_request(self, request: Request) -> None:
@@ -137,7 +163,8 @@ class Scheduler:
             request.num_synced_tokens = 0
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop its KV; it resumes from the front of `waiting`."""
+        """Recompute preemption: drop its KV; it goes back into `waiting` where the policy
+        resumes it (FCFS: first; priority: at its sort key)."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -146,69 +173,95 @@ class Scheduler:
         if request.num_synced_tokens > 0:
             self.finished_req_ids[request.request_id] = None
             request.num_synced_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        token_budget = self.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted = False
+        plan = _StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:  # no WAITING request joins a step that had to preempt
+            self._schedule_waiting(plan)
+        total = self.max_num_batched_tokens - plan.token_budget
+        self.num_batched_tokens = total
+        self.num_scheduled_seqs = len(plan.num_scheduled_tokens)
+        finished_req_ids = list(self.finished_req_ids)
+        self.finished_req_ids = {}
+        return SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=list(plan.cached_reqs.values()),
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished_req_ids,
+        )
 
-        # 1. RUNNING requests, in admission order; preempt from the tail when blocks run out.
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """RUNNING requests, in admission order; preempt (see the invariants) when blocks run out."""
+        kv = self.kv_cache_manager
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
             if num_new_tokens <= 0:  # nothing to compute (runner owes a token): skip it
                 req_index += 1
                 continue
-            while True:
-                new_block_ids = kv.allocate_slots(request, num_new_tokens)
-                if new_block_ids is not None:
-                    break
-                victim = self.running.pop()
+            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+                victim_index = self._victim_index()
+                victim = self.running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1  # `request` moved up one place
+                self._unschedule(victim, plan)
                 self._preempt(victim)
-                preempted = True
+                plan.preempted = True
                 if victim is request:
                     break
             if new_block_ids is None:
-                break  # `request` preempted itself: everything after it is gone too
-            cached_reqs.append(
-                CachedRequestData(
-                    req_id=request.request_id,
-                    new_token_ids=request.all_token_ids[request.num_synced_tokens :],
-                    new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
+                # `request` preempted itself. FCFS: it was the tail, the loop ends. Priority:
+                # those after it outrank it and still get their turn (vLLM stops here instead,
+                # leaving them, and maybe the whole step, idle).
+                continue
+            plan.cached_reqs[request.request_id] = CachedRequestData(
+                req_id=request.request_id,
+                new_token_ids=request.all_token_ids[request.num_synced_tokens :],
+                new_block_ids=new_block_ids,
+                num_computed_tokens=request.num_computed_tokens,
             )
             request.num_synced_tokens = request.num_tokens
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
             req_index += 1
 
-        # 2. WAITING requests, FCFS; none if this step had to preempt (no room to grow).
-        while (
-            not preempted
-            and self.waiting
-            and token_budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
+    def _victim_index(self) -> int:
+        """Index in `running` of the request to preempt: the tail (FCFS), or the largest
+        (priority, arrival) sort key (priority: lowest priority, latest arrival)."""
+        if self.policy == SchedulingPolicy.FCFS:
+            return len(self.running) - 1
+        running = self.running
+        return max(range(len(running)), key=lambda i: running[i].sort_key)
+
+    def _unschedule(self, request: Request, plan: _StepPlan) -> None:
+        """Take a request scheduled earlier this step back out of it (it is being preempted)."""
+        num_tokens = plan.num_scheduled_tokens.pop(request.request_id, None)
+        if num_tokens is not None:
+            plan.token_budget += num_tokens
+            del plan.cached_reqs[request.request_id]
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """WAITING requests in the queue's order, while blocks, budget and seats last."""
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek_request()
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
-            if num_new_tokens > token_budget:
+            if num_new_tokens > plan.token_budget:
                 if not self.enable_chunked_prefill:
                     break
-                num_new_tokens = token_budget
+                num_new_tokens = plan.token_budget
             new_block_ids = kv.allocate_slots(request, num_new_tokens, hit_block_ids, num_hit_tokens)
             if new_block_ids is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_request()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -216,7 +269,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED)
-            new_reqs.append(
+            plan.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
@@ -228,21 +281,8 @@ class Scheduler:
                 )
             )
             request.num_synced_tokens = request.num_tokens
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-
-        total = self.max_num_batched_tokens - token_budget
-        self.num_batched_tokens = total
-        self.num_scheduled_seqs = len(num_scheduled_tokens)
-        finished_req_ids = list(self.finished_req_ids)
-        self.finished_req_ids = {}
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=finished_req_ids,
-        )
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
 
     # ------------------------------------------------------------------ update
 

@@ -22,9 +22,11 @@ import weakref
 from typing import Any, AsyncGenerator, Callable, Iterable
 
 from tidal.frontend.core_client import AsyncMPClient
+from tidal.frontend.engine_args import AsyncEngineArgs
 from tidal.frontend.engine_setup import FrontEnd
 from tidal.frontend.output_processor import RequestOutputCollector
 from tidal.protocol.config import EngineConfig
+from tidal.protocol.config_views import ModelConfig
 from tidal.protocol.errors import EngineDeadError, EngineGenerateError
 from tidal.protocol.messages import SchedulerStats
 from tidal.protocol.outputs import RequestOutput
@@ -39,12 +41,51 @@ logger = logging.getLogger(__name__)
 # stopped bunching its messages.
 _OUTPUT_SLICE = 128
 _YIELD_EVERY = _OUTPUT_SLICE
+_DRAIN_POLL_S = 0.01  # pause_generation(wait_for_inflight_requests=True) checks this often
+
+# vLLM's StatLoggerFactory: called with (vllm_config, engine_index); the logger it returns gets
+# record(scheduler_stats=..., iteration_stats=None, engine_idx=0) per step with stats and log()
+# from do_log_stats().
+StatLoggerFactory = Callable[[EngineConfig, int], Any]
 
 
 class AsyncLLM(FrontEnd[AsyncMPClient]):
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`engine_args` are EngineConfig fields (vLLM's names); unknown names raise TypeError."""
-        self._setup(EngineConfig.from_kwargs(model, **engine_args))
+    def __init__(self, model: str, *, stat_loggers: list[StatLoggerFactory] | None = None,
+                 **kwargs: Any) -> None:
+        """`kwargs` are vLLM's engine args (AsyncEngineArgs fields); a misspelt name is a
+        TypeError suggesting the right one. Stats are off unless disable_log_stats=False (as
+        tidal's LLM; `from_engine_args` follows the args, whose default is on, as vLLM)."""
+        kwargs.setdefault("disable_log_stats", True)
+        args = AsyncEngineArgs(model=model, **kwargs)
+        self._setup(args.create_engine_config(), log_requests=args.enable_log_requests,
+                    stat_loggers=stat_loggers)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True,
+                         usage_context: Any = None,
+                         stat_loggers: list[StatLoggerFactory] | None = None) -> "AsyncLLM":
+        """vLLM's constructor. `start_engine_loop`: tidal's output loop always starts with the
+        first request in the running event loop; `usage_context` changes nothing here."""
+        self = cls.__new__(cls)
+        self._setup(engine_args.create_engine_config(usage_context),
+                    log_requests=getattr(engine_args, "enable_log_requests", False), stat_loggers=stat_loggers)
+        return self
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: EngineConfig, start_engine_loop: bool = True,
+                         usage_context: Any = None, stat_loggers: list[StatLoggerFactory] | None = None,
+                         enable_log_requests: bool = False, aggregate_engine_logging: bool = False,
+                         disable_log_stats: bool = False, client_addresses: dict[str, str] | None = None,
+                         client_count: int = 1, client_index: int = 0) -> "AsyncLLM":
+        """vLLM's constructor from `EngineArgs.create_engine_config()` (tidal's VllmConfig is
+        its EngineConfig). As in vLLM, `disable_log_stats` here decides the stats."""
+        if client_addresses or client_count != 1 or client_index != 0:
+            raise ValueError("client_addresses/client_count/client_index: API-server scale-out is not "
+                             "supported by tidal (connect to a `tidal core` with core_address instead)")
+        self = cls.__new__(cls)
+        self._setup(vllm_config.replace(disable_log_stats=disable_log_stats),
+                    log_requests=enable_log_requests, stat_loggers=stat_loggers)
+        return self
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
@@ -52,14 +93,21 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         self._setup(config)
         return self
 
-    def _setup(self, config: EngineConfig) -> None:
+    def _setup(self, config: EngineConfig, *, log_requests: bool = False,
+               stat_loggers: list[StatLoggerFactory] | None = None) -> None:
         self._handler: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._running: dict[str, str] = {}  # user request id -> internal id
         self._tag = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
+        self._resumed: asyncio.Event | None = None  # set while paused; set() on resume
+        self.log_requests = log_requests
         self._start(config, AsyncMPClient)
+        self.stat_loggers: list[Any] = [make(self.vllm_config, 0) for make in stat_loggers or ()]
+        for stat_logger in self.stat_loggers:
+            if hasattr(stat_logger, "log_engine_initialized"):
+                stat_logger.log_engine_initialized()
         # Weakly: the client's watcher thread must not keep this engine alive (and its __del__,
         # which shuts the core down, from ever running).
         ref = weakref.ref(self)
@@ -81,6 +129,10 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         return not self._closed and not self.errored
 
     @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    @property
     def dead_error(self) -> EngineDeadError:
         return self.engine_core.dead or EngineDeadError("the engine was shut down")
 
@@ -89,19 +141,33 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
             raise EngineDeadError(str(self.dead_error)) from None
 
     async def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """The tokenizer; ValueError with skip_tokenizer_init (as vLLM)."""
+        return self._tokenizer_or_raise()
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.model_config
+
+    async def get_vllm_config(self) -> EngineConfig:
+        return self.vllm_config
 
     async def check_health(self) -> None:
+        """EngineDeadError once the engine is dead (or shut down)."""
         self._check_alive()
 
     # ---------------------------------------------------------------- generate
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams | None,
-                       request_id: str, *,
+                       request_id: str, *, prompt_text: str | None = None, lora_request: Any = None,
+                       tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
+                       priority: int = 0, data_parallel_rank: int | None = None,
                        arrival_time: float | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream `RequestOutput`s for one request (kinds and errors: see DESIGN.md).
 
-        Arguments in vLLM's order (prompt, sampling_params, request_id), so positional calls
-        written for vLLM's AsyncLLM keep working; keywords work too."""
+        vLLM's signature: (prompt, sampling_params, request_id) positionally or by keyword;
+        `priority` needs scheduling_policy="priority"; `lora_request` must be None and
+        `data_parallel_rank` None or 0; `prompt_text`, `tokenization_kwargs` and
+        `trace_headers` are accepted and unused. While paused, waits for resume_generation()."""
+        self._check_alive()
+        await self._wait_unpaused()
         self._check_alive()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -114,7 +180,10 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         queue: RequestOutputCollector | None = None
         finished = False
         try:
-            queue = await self._add_request(internal, prompt, params, arrival_time)
+            queue = await self._add_request(internal, prompt, params, arrival_time,
+                                            (priority, lora_request, data_parallel_rank))
+            if self.log_requests:
+                logger.info("Added request %s.", request_id)
             while not finished:
                 out = queue.get_nowait() or await queue.get()
                 finished = out.finished
@@ -136,9 +205,11 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
                 del self._running[request_id]
 
     async def _add_request(self, internal: str, prompt: str | dict, params: SamplingParams,
-                           arrival_time: float | None) -> RequestOutputCollector:
+                           arrival_time: float | None,
+                           options: tuple[int, Any, int | None]) -> RequestOutputCollector:
         # ValueError for bad input comes from here, before anything is queued.
         request, prompt_text = await self.input_processor.process_async(internal, prompt, params, arrival_time)
+        self._apply_request_options(request, *options)
         self._check_alive()
         queue = RequestOutputCollector(params.output_kind)
         try:
@@ -148,15 +219,50 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
             raise
         return queue
 
-    async def abort(self, request_id: str | Iterable[str]) -> None:
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """End these requests' streams normally (finish_reason "abort", partial output) and
-        abort them in the core. Unknown or finished ids are ignored."""
+        abort them in the core. Unknown or finished ids are ignored. `internal`: the ids are
+        tidal's internal ones (as vLLM's flag), not the callers'."""
         self._check_alive()
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if internal:
+            wanted = set(ids)
+            ids = [rid for rid, iid in self._running.items() if iid in wanted]
         internals = [self._running.pop(rid) for rid in ids if rid in self._running]
         if internals:
             result = self.output_processor.finish_request_aborted(internals)
             self.engine_core.abort_requests(result.reqs_to_abort)
+
+    # ------------------------------------------------------------ pause/resume
+    async def pause_generation(self, *, wait_for_inflight_requests: bool = False,
+                               clear_cache: bool = True) -> None:
+        """vLLM's pause: new generate() calls wait until resume_generation(). In-flight requests
+        are aborted (their streams end with finish_reason "abort"), or with
+        `wait_for_inflight_requests` run to their end before this returns. `clear_cache`:
+        then the prefix cache is reset."""
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+        if not wait_for_inflight_requests:
+            await self.abort(list(self._running))
+        while self.output_processor.has_unfinished_requests():
+            # Polled: the output handler, not a waiter, learns when a request ends, and a
+            # short poll costs nothing next to the requests it waits for.
+            self._check_alive()
+            await asyncio.sleep(_DRAIN_POLL_S)
+        if clear_cache:
+            await self.reset_prefix_cache()
+
+    async def resume_generation(self) -> None:
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None:
+            resumed.set()
+
+    async def is_paused(self) -> bool:
+        return self._resumed is not None
+
+    async def _wait_unpaused(self) -> None:
+        while (resumed := self._resumed) is not None:
+            await resumed.wait()
 
     # ---------------------------------------------------------- output handler
     def _ensure_handler(self) -> None:
@@ -171,7 +277,10 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         client, since_yield = self.engine_core, 0
         try:
             while True:
-                outputs = (await client.get_output_async()).outputs
+                outs = await client.get_output_async()
+                if outs.scheduler_stats is not None and self.stat_loggers:
+                    self._record_stats(outs.scheduler_stats)
+                outputs = outs.outputs
                 n = len(outputs)
                 for start in range(0, n, _OUTPUT_SLICE):
                     if since_yield >= _YIELD_EVERY:
@@ -189,6 +298,15 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         except Exception as e:
             logger.exception("AsyncLLM output handler failed")
             client.mark_dead(f"the front-end output handler failed: {type(e).__name__}: {e}")
+
+    def _record_stats(self, stats: SchedulerStats) -> None:
+        """Each stat logger's record(), as vLLM calls it once per engine step (tidal has no
+        per-iteration stats object: iteration_stats is None)."""
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
 
     def _in_loop(self, fn: Callable[[EngineDeadError], None], exc: EngineDeadError) -> None:
         """Run `fn(exc)` on the event loop's thread: now if this is it, else as soon as the loop
@@ -222,6 +340,17 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
 
     async def reset_prefix_cache(self) -> bool:
         return await self.call_utility_async("reset_prefix_cache")
+
+    async def do_log_stats(self) -> None:
+        """Log one line of the core's stats, then let each stat logger log()."""
+        s = await self.get_stats()
+        hit = 100 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        logger.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: "
+                    "%.1f%%, Prompt tokens: %d, Generation tokens: %d, Preemptions: %d",
+                    s.num_running_reqs, s.num_waiting_reqs, 100 * s.kv_cache_usage, hit,
+                    s.num_prompt_tokens, s.num_generation_tokens, s.num_preemptions)
+        for stat_logger in self.stat_loggers:
+            stat_logger.log()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from tidal.frontend.engine_args import add_engine_args, config_from_args
+from tidal.frontend.engine_args import EngineArgs, config_from_args
 from tidal.protocol.utils import setup_logging
 
 DEFAULT_CORE_ADDRESS = "tcp://127.0.0.1:5570"
@@ -33,8 +33,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model = ensure_default_model()
         print(f"note: no --model given, so this uses tidal's embedded default model ({model}). "
               "Its weights are random: the text below is gibberish.", file=sys.stderr, flush=True)
-    config = config_from_args(args, model=model, core_address=args.core_address,
-                              **({"seed": args.seed} if args.seed is not None else {}))
+    config = config_from_args(args, model=model, **({"seed": args.seed} if args.seed is not None else {}))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, ignore_eos=args.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)
@@ -91,15 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None, help="sampling (and engine) seed")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--core-address", default=None, help="use a running `tidal core` at this address")
-    add_engine_args(gen, exclude=frozenset({"seed"}))
+    # Engine flags: every vLLM engine arg plus tidal's (--core-address: a running `tidal core`).
+    EngineArgs.add_cli_args(gen, exclude=frozenset({"model", "seed"}))
     gen.set_defaults(func=_cmd_generate)
 
     core = sub.add_parser("core", help="run a headless engine core that front-ends connect to")
     core.add_argument("model")
     core.add_argument("--address", default=DEFAULT_CORE_ADDRESS,
                       help="tcp://HOST:PORT (an explicit interface, never a wildcard) or ipc:///path")
-    add_engine_args(core)
+    EngineArgs.add_cli_args(core, exclude=frozenset({"model"}))
     core.set_defaults(func=_cmd_core)
 
     mk = sub.add_parser("make-model", help="write a tiny random HF checkpoint + tokenizer")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsArrays
-from tidal.protocol.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from tidal.protocol.outputs import FlatLogprobs, Logprob, PromptLogprobs, SampleLogprobs
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 try:  # tokenizers >= 0.21
@@ -35,12 +35,12 @@ _REPLACEMENT_CHAR = "\ufffd"
 # Prompt suffix used as decoding context: the shortest of these lengths that decodes cleanly.
 _PRIME_MIN_TOKENS = 4
 _PRIME_MAX_TOKENS = 24
+_UTF8_CONTEXT = 3  # tokens before a token that can hold the start of the character it ends
 
 _STOP = FinishReason.STOP
 _DELTA, _CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE
 
 DecodeFn = Callable[[list[int]], str]
-TokenText = Callable[[int], str]
 
 
 def rust_backend(tokenizer: Any) -> Any | None:
@@ -250,7 +250,10 @@ class SlowIncrementalDetokenizer(IncrementalDetokenizer):
 
 
 class TokenTexts:
-    """Cached text of single tokens, for `Logprob.decoded_token` (special tokens shown)."""
+    """Text of single tokens for `Logprob.decoded_token` (special tokens shown), cached. A byte-
+    level token that only completes a UTF-8 character begun by the tokens before it decodes
+    alone to U+FFFD; `in_context` decodes it with them, as vLLM does, and gives the text it
+    completes ("" for a token that only begins one)."""
 
     __slots__ = ("_decode", "_cache")
 
@@ -264,47 +267,88 @@ class TokenTexts:
             text = self._cache[token_id] = self._decode([token_id])
         return text
 
+    def in_context(self, token_id: int, before: Sequence[int]) -> str:
+        """The token's text after the tokens `before` it in the sequence (the last few suffice:
+        a UTF-8 character has at most 4 bytes)."""
+        text = self.get(token_id)
+        if not text.endswith(_REPLACEMENT_CHAR):
+            return text
+        completed = ""
+        for j in range(1, min(len(before), _UTF8_CONTEXT) + 1):
+            context = list(before[-j:])
+            head = self._decode(context).rstrip(_REPLACEMENT_CHAR)  # what the context completed itself
+            full = self._decode(context + [token_id])
+            if full.startswith(head):
+                completed = full[len(head):]
+                if not completed.endswith(_REPLACEMENT_CHAR):
+                    return completed
+        return completed.rstrip(_REPLACEMENT_CHAR)  # it only begins a character (or ends early)
 
-def logprobs_to_dicts(arrays: LogprobsArrays, token_text: TokenText | None) -> tuple[SampleLogprobs, float]:
-    """Rows of [chosen, top-1..top-k] to dicts (chosen first, its rank from `ranks`, top-j
-    ranked j); plus the sum of the chosen tokens' logprobs."""
-    rows: list[dict[int, Logprob]] = []
+
+def _new_container(flat: bool) -> SampleLogprobs:
+    return FlatLogprobs() if flat else []
+
+
+def append_logprobs(rows: SampleLogprobs | PromptLogprobs, arrays: LogprobsArrays, texts: TokenTexts | None,
+                    tail: list[int]) -> float:
+    """Append rows of [chosen, top-1..top-k] (chosen first, its rank from `ranks`, top-j ranked
+    j, a top-k duplicate of the chosen token dropped) to `rows`; `tail` holds the tokens before
+    the first row's position and is advanced by each chosen token. Returns the chosen tokens'
+    summed logprob."""
     total = 0.0
+    flat = rows if isinstance(rows, FlatLogprobs) else None
     for ids, lps, rank in zip(arrays.token_ids.tolist(), arrays.logprobs.tolist(), arrays.ranks.tolist()):
         chosen = ids[0]
-        row = {chosen: Logprob(lps[0], rank, token_text(chosen) if token_text else None)}
-        for j in range(1, len(ids)):
-            if ids[j] not in row:
-                row[ids[j]] = Logprob(lps[j], j, token_text(ids[j]) if token_text else None)
+        names = [None] * len(ids) if texts is None else [texts.in_context(t, tail) for t in ids]
+        if flat is not None:
+            flat.start_position()
+            flat.append_entry(chosen, lps[0], rank, names[0])
+            for j in range(1, len(ids)):
+                if ids[j] != chosen:
+                    flat.append_entry(ids[j], lps[j], j, names[j])
+            flat.end_position()
+        else:
+            row = {chosen: Logprob(lps[0], rank, names[0])}
+            for j in range(1, len(ids)):
+                if ids[j] not in row:
+                    row[ids[j]] = Logprob(lps[j], j, names[j])
+            rows.append(row)  # type: ignore[arg-type]
         total += lps[0]
-        rows.append(row)
-    return rows, total
+        tail.append(chosen)
+        del tail[:-_UTF8_CONTEXT]
+    return total
 
 
 class LogprobsAccumulator:
-    """One request's logprobs (vLLM's LogprobsProcessor): rows as dicts, each output getting
-    what its kind shows (DELTA the rows not sent yet, CUMULATIVE a snapshot of all, FINAL_ONLY
-    all: it is sent once). None for what was not requested."""
+    """One request's logprobs (vLLM's LogprobsProcessor): rows as dicts (or one FlatLogprobs
+    with flat_logprobs), each output getting what its kind shows (DELTA the rows not sent yet,
+    CUMULATIVE a snapshot of all, FINAL_ONLY all: it is sent once). None for what was not
+    requested."""
 
-    __slots__ = ("_rows", "_sent", "_cumulative", "_prompt", "_prompt_sent", "_kind", "_token_text")
+    __slots__ = ("_rows", "_sent", "_cumulative", "_prompt", "_prompt_sent", "_kind", "_texts",
+                 "_tail", "_prompt_tail")
 
-    def __init__(self, params: SamplingParams, token_text: TokenText | None) -> None:
-        want = params.logprobs is not None
-        self._rows: SampleLogprobs | None = [] if want else None
+    def __init__(self, params: SamplingParams, texts: TokenTexts | None, prompt_token_ids: Sequence[int] = ()
+                 ) -> None:
+        want, flat = params.logprobs is not None, params.flat_logprobs
+        self._rows: SampleLogprobs | None = _new_container(flat) if want else None
         self._cumulative: float | None = 0.0 if want else None
-        # Position 0 has no logprob (nothing precedes it), as in vLLM.
-        self._prompt: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        self._prompt: PromptLogprobs | None = None
+        if params.prompt_logprobs is not None:
+            self._prompt = _new_container(flat)
+            self._prompt.append(None)  # position 0 has no logprob (nothing precedes it), as in vLLM
         self._sent = self._prompt_sent = 0  # DELTA: rows already handed out
         self._kind = params.output_kind
-        self._token_text = token_text
+        self._texts = texts
+        # The last tokens before the next sample / prompt row: context for decoded_token.
+        self._tail = list(prompt_token_ids[-_UTF8_CONTEXT:])
+        self._prompt_tail = list(prompt_token_ids[:1])
 
     def add(self, out: EngineCoreOutput) -> None:
         if out.new_logprobs is not None and self._rows is not None:
-            rows, total = logprobs_to_dicts(out.new_logprobs, self._token_text)
-            self._rows.extend(rows)
-            self._cumulative += total  # type: ignore[operator]
+            self._cumulative += append_logprobs(self._rows, out.new_logprobs, self._texts, self._tail)  # type: ignore[operator]
         if out.new_prompt_logprobs is not None and self._prompt is not None:
-            self._prompt.extend(logprobs_to_dicts(out.new_prompt_logprobs, self._token_text)[0])
+            append_logprobs(self._prompt, out.new_prompt_logprobs, self._texts, self._prompt_tail)
 
     def sample(self) -> tuple[SampleLogprobs | None, float | None]:
         """(the sample rows this output shows, the cumulative logprob)."""

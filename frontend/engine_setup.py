@@ -10,6 +10,7 @@ from tidal.frontend.core_client import AsyncMPClient, InprocClient, SyncMPClient
 from tidal.frontend.input_processor import InputProcessor
 from tidal.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
+from tidal.protocol.config_views import ModelConfig, resolved_dtype_name
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest
 from tidal.protocol.outputs import RequestOutput
 
@@ -23,6 +24,7 @@ class FrontEnd(Generic[C]):
 
     _closed = True  # until _start succeeded: a failed __init__ leaves shutdown() and __del__ harmless
     config: EngineConfig
+    vllm_config: EngineConfig  # the config with the core's resolved limits (vLLM's VllmConfig view)
     engine_core: C  # the core client
     tokenizer: Any
     info: ResolvedEngineInfo
@@ -35,6 +37,7 @@ class FrontEnd(Generic[C]):
         limits, and build the input/output processors on them."""
         if config.model and os.path.isdir(config.model):
             check_model_architecture(config.model)
+            check_kv_cache_dtype(config)
         client = make_client(config)
         try:
             tokenizer = load_tokenizer(config)
@@ -43,10 +46,33 @@ class FrontEnd(Generic[C]):
             client.shutdown()
             raise
         self.config, self.engine_core, self.tokenizer, self.info = config, client, tokenizer, info
+        # What the core resolved (context length, KV blocks) shows in the vLLM config views.
+        self.vllm_config = config.replace(max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
         self.input_processor = InputProcessor(tokenizer, max_model_len=info.max_model_len,
                                               vocab_size=info.vocab_size, max_logprobs=config.max_logprobs)
         self.output_processor = OutputProcessor(tokenizer, log_stats=not config.disable_log_stats)
         self._closed = False
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
+
+    def _tokenizer_or_raise(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("Unable to get tokenizer because skip_tokenizer_init is True")
+        return self.tokenizer
+
+    def _apply_request_options(self, request: EngineCoreRequest, priority: int,
+                               lora_request: Any = None, data_parallel_rank: int | None = None) -> None:
+        """vLLM's per-request options: ValueError for what tidal (or the policy) cannot honour."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported by tidal")
+        if data_parallel_rank not in (None, 0):
+            raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: tidal runs one engine (rank 0)")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
+                             "(scheduling_policy='priority').")
+        request.priority = priority
 
     def _send(self, request: EngineCoreRequest, prompt: str | None,
               queue: RequestOutputCollector | None = None) -> None:
@@ -90,8 +116,19 @@ class FrontEnd(Generic[C]):
             pass
 
 
+def check_kv_cache_dtype(config: EngineConfig) -> None:
+    """The KV cache is kept in the model's dtype: another one is a ValueError, raised before
+    any process starts."""
+    if config.kv_cache_dtype not in ("auto", resolved_dtype_name(config)):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a KV cache dtype other than the "
+                         f"model's ({resolved_dtype_name(config)}) is not supported by tidal")
+
+
 def load_tokenizer(config: EngineConfig) -> Any:
-    """The Hugging Face tokenizer of `config.tokenizer_path` (a fast one when it exists)."""
+    """The Hugging Face tokenizer of `config.tokenizer_path` (a fast one unless tokenizer_mode
+    is "slow"); None with skip_tokenizer_init (token-id prompts, no text out)."""
+    if config.skip_tokenizer_init:
+        return None
     path = config.tokenizer_path
     if not path:
         raise ValueError("no model or tokenizer given")
@@ -106,4 +143,7 @@ def load_tokenizer(config: EngineConfig) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings from the Rust pool
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    # As vLLM: the tokenizer's revision defaults to the model's.
+    revision = config.tokenizer_revision or config.revision
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code, revision=revision,
+                                         use_fast=config.tokenizer_mode != "slow")

@@ -105,6 +105,43 @@ class InputProcessor:
             raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
         return list(self._encode(text))
 
+    def _encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens (BOS and the like)."""
+        backend = rust_backend(self.tokenizer)
+        if backend is not None:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word as written (stripped of leading spaces),
+        and again after a space where that makes a different token sequence of the same length
+        (a word inside text, for tokenizers that fold the space into the word's first token)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set): "
+                             "use logit_bias or allowed_token_ids with token ids instead")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            plain = self._encode_plain(word.lstrip())
+            if not plain:
+                raise ValueError("bad_words entries must tokenize to at least one token.")
+            sequences.append(plain)
+            spaced = self._encode_plain(" " + word.lstrip())
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return sequences
+
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens as vLLM: the last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return ids
+        max_len = self.limits.max_model_len
+        if keep == -1:
+            keep = max_len
+        if keep > max_len:
+            raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                             f"({max_len}). Please, select a smaller truncation size.")
+        return ids[-keep:]
+
     # ------------------------------------------------------------------ process
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams,
                 arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
@@ -118,7 +155,11 @@ class InputProcessor:
         text, ids = self._parse_prompt(prompt)
         if ids is None:
             ids = self._tokenize(text)  # type: ignore[arg-type]
-        changes: dict[str, Any] = {}
+        ids = self._truncate(ids, params.truncate_prompt_tokens)
+        # extra_args stay with the caller's params: the wire to the core carries typed fields only.
+        changes: dict[str, Any] = {"extra_args": None} if params.extra_args is not None else {}
+        if params.bad_words:
+            changes["_bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         if params.seed is None:
             changes["seed"] = random.randrange(_SEED_LIMIT)
         if self.extra_eos_token_ids and not params.ignore_eos:

@@ -9,14 +9,19 @@ process behind the same client interface (InprocClient), which is easier to debu
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any, Sequence
 
+from tidal.frontend.beam_search import beam_search
 from tidal.frontend.core_client import InprocClient, SyncMPClient
+from tidal.frontend.engine_args import EngineArgs
 from tidal.frontend.engine_setup import FrontEnd
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig
+from tidal.protocol.beam_search import BeamSearchOutput, BeamSearchParams
+from tidal.protocol.config_views import CacheConfig, ModelConfig
 from tidal.protocol.errors import EngineGenerateError
 from tidal.protocol.messages import SchedulerStats
 from tidal.protocol.outputs import RequestOutput
@@ -27,10 +32,12 @@ _OUTPUT_WAIT_S = 1.0  # one wait for the next step; death is re-checked at least
 
 
 class LLM(FrontEnd[InprocClient | SyncMPClient]):
-    def __init__(self, model: str | None = None, *, multiprocessing: bool | None = None,
-                 **engine_args: Any) -> None:
-        """`engine_args` are EngineConfig fields (vLLM's names); unknown names raise TypeError."""
-        config = EngineConfig.from_kwargs(model, **engine_args)
+    def __init__(self, model: str, *, multiprocessing: bool | None = None, **kwargs: Any) -> None:
+        """`kwargs` are vLLM's engine args (EngineArgs fields); a misspelt name is a TypeError
+        suggesting the right one. As vLLM's LLM, stats are off unless disable_log_stats=False.
+        `multiprocessing` (tidal's): run the core in its own process (default) or in this one."""
+        kwargs.setdefault("disable_log_stats", True)
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
         if multiprocessing is None:
             multiprocessing = envs.TIDAL_ENABLE_MULTIPROCESSING or config.core_address is not None
         elif not multiprocessing and config.core_address is not None:
@@ -40,12 +47,14 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
 
     # ------------------------------------------------------------------ public
     def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """The tokenizer; ValueError with skip_tokenizer_init (as vLLM)."""
+        return self._tokenizer_or_raise()
 
     @property
-    def llm_engine(self) -> InprocClient | SyncMPClient:
-        """The engine-core client: `call_utility(method, *args)`, `get_stats()`."""
-        return self.engine_core
+    def llm_engine(self) -> "LLMEngine":
+        """vLLM's `llm.llm_engine` (a fresh view each time: no reference cycle keeps an LLM,
+        and so its core, alive)."""
+        return LLMEngine(self)
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.call_utility("get_stats")
@@ -56,18 +65,23 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in input order. Every prompt is validated
-        (ValueError) before any is queued."""
+        (ValueError) before any is queued. `priority`: one per prompt (lower runs first), with
+        scheduling_policy="priority"; `lora_request` must be None (tidal has no LoRA)."""
         if self._closed:
             raise RuntimeError("this LLM was shut down")
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
-        requests = [
-            self.input_processor.process(str(next(self._ids)), prompt,
-                                         params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
-            for prompt, params in zip(prompt_list, params_list, strict=True)
-        ]
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; pass one per prompt")
+        requests = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+            req, text = self.input_processor.process(str(next(self._ids)), prompt,
+                                                     params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+            self._apply_request_options(req, 0 if priority is None else priority[i], lora_request)
+            requests.append((req, text))
         if not requests:
             return []
         order = {req.request_id: i for i, (req, _) in enumerate(requests)}
@@ -79,6 +93,15 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
             # Ctrl-C, a dead core or a failed request: leave no request behind in either process.
             self._abort_silently(list(self.output_processor.request_states))
             raise
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams, lora_request: Any = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search, run on this engine one token per live beam per step (see
+        frontend/beam_search.py)."""
+        return beam_search(functools.partial(self.generate, use_tqdm=False), self._tokenizer_or_raise(),
+                           prompts, params, self.input_processor.eos_token_id, lora_request=lora_request,
+                           use_tqdm=use_tqdm, concurrency_limit=concurrency_limit,
+                           max_model_len=self.info.max_model_len)
 
     # ----------------------------------------------------------------- helpers
     @staticmethod
@@ -147,3 +170,38 @@ class _ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+
+
+class LLMEngine:
+    """`llm.llm_engine`: vLLM's LLMEngine attributes (vllm_config, model_config, tokenizer,
+    get_tokenizer, log_stats) over an LLM; anything else (call_utility, get_stats, process,
+    address, ...) is the engine-core client's."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+
+    @property
+    def vllm_config(self) -> EngineConfig:
+        return self._llm.vllm_config
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._llm.vllm_config.model_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self._llm.vllm_config.cache_config
+
+    @property
+    def log_stats(self) -> bool:
+        return not self._llm.config.disable_log_stats
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._llm.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self._llm.get_tokenizer()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm.engine_core, name)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulator, TokenText, TokenTexts
+from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulator, TokenTexts
 from tidal.frontend.parallel_sampling import ParentRequest
 from tidal.protocol.errors import EngineGenerateError
 from tidal.protocol.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -108,13 +108,14 @@ class RequestState:
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
                  index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
-                 token_text: TokenText | None, log_stats: bool) -> None:
+                 token_texts: TokenTexts | None, log_stats: bool) -> None:
         params, self.request_id = request.sampling_params, request.request_id
         self.external_req_id = parent.request_id if parent is not None else request.request_id
         self.parent, self.index, self.queue = parent, index, queue
         self.prompt, self.prompt_token_ids = prompt, request.prompt_token_ids
         self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request)
-        self.logprobs = (LogprobsAccumulator(params, token_text if params.detokenize else None)
+        self.logprobs = (LogprobsAccumulator(params, token_texts if params.detokenize else None,
+                                             request.prompt_token_ids)
                          if params.logprobs is not None or params.prompt_logprobs is not None else None)
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
@@ -242,10 +243,9 @@ class OutputProcessor:
             parent = self.parent_requests[request.request_id] = ParentRequest(
                 request.request_id, request.sampling_params)
             requests = parent.make_children(request)
-        token_text = self._token_texts.get if self._token_texts is not None else None
         for index, req in enumerate(requests):
             self.request_states[req.request_id] = _STATE_CLASS[req.sampling_params.output_kind](
-                req, prompt, parent, index, queue, self.tokenizer, token_text, self.log_stats)
+                req, prompt, parent, index, queue, self.tokenizer, self._token_texts, self.log_stats)
         return requests
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:

@@ -23,7 +23,8 @@ class ParentRequest:
         for i in range(self.sampling_params.n):
             params = self.sampling_params.clone(n=1, seed=None if seed is None else seed + i)
             children.append(EngineCoreRequest(f"{i}_{self.request_id}", request.prompt_token_ids,
-                                              params, request.eos_token_id, request.arrival_time))
+                                              params, request.eos_token_id, request.arrival_time,
+                                              priority=request.priority))
         self.child_requests.update(c.request_id for c in children)
         return children
 

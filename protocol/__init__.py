@@ -1,17 +1,23 @@
 """The contract between tidal's processes and with its users (no torch here)."""
-from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
+from tidal.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, VllmConfig
 from tidal.protocol.errors import EngineDeadError, EngineGenerateError
-from tidal.protocol.outputs import CompletionOutput, Logprob, RequestOutput
+from tidal.protocol.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
     "EngineGenerateError",
+    "FlatLogprobs",
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",
     "ResolvedEngineInfo",
     "SamplingParams",
+    "VllmConfig",
 ]

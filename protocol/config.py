@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from tidal.protocol.config_views import VllmConfigAttrs
 
 # config.json "architectures" tidal implements (tidal.worker.models.registry maps them to
 # classes); kept here, torch-free, so a front-end rejects a model before starting any process.
@@ -27,7 +29,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(VllmConfigAttrs):
+    """What the engine core and workers need; built by EngineArgs.create_engine_config() from
+    vLLM's engine args. It doubles as tidal's VllmConfig: `.model_config`, `.cache_config`, ...
+    are read-only views under vLLM's names (config_views.py)."""
+
     model: str = ""
     tokenizer: str | None = None
     dtype: str = "auto"
@@ -62,6 +68,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
     scheduling_policy: str = "fcfs"  # fcfs | priority
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | raw_logits | processed_logprobs | processed_logits
+    served_model_name: str | list[str] | None = None  # the name(s) the API answers to; None: model
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -91,17 +98,6 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
-        """Build from vLLM-style engine kwargs; unknown names raise a TypeError naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        if model is not None:
-            kwargs["model"] = model
-        return cls(**kwargs)
-
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
 
@@ -122,6 +118,10 @@ def check_model_architecture(model: str) -> None:
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"unsupported model architecture(s) {archs} in {model!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+# vLLM's name for the whole engine configuration (see EngineConfig's docstring).
+VllmConfig = EngineConfig
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,15 @@
-"""User-facing outputs, with vLLM's names and fields."""
+"""User-facing outputs, with vLLM's names and fields.
+
+`RequestOutput` and `CompletionOutput` accept unknown keyword arguments and keep them as
+attributes: vLLM's forward-compatibility contract, so code written for a newer vLLM that passes
+a field tidal lacks still constructs them.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterable, Iterator, MutableSequence, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, TypeVar, overload
 
 FinishReasonStr = str  # "stop" | "length" | "abort" | "error"
 
@@ -13,11 +21,131 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One dict per position: token id -> Logprob (the sampled/prompt token plus the top-k).
-SampleLogprobs = list[dict[int, Logprob]]
-PromptLogprobs = list[dict[int, Logprob] | None]
+LogprobsOnePosition = dict[int, Logprob]
 
 
+@dataclass(eq=False)
+class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):  # type: ignore[misc]
+    """vLLM's flat container (`SamplingParams(flat_logprobs=True)`): every position's entries
+    in a few flat lists instead of one dict and k Logprob objects per position, so a long
+    output costs the garbage collector a constant number of objects. It reads as the nested
+    form: `flat[i]` is position i's dict (`{}` for a None position), slices are FlatLogprobs,
+    and it compares equal to the list of dicts it stands for."""
+
+    # Position i's entries are [start_indices[i], end_indices[i]) of the flat lists.
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def append(self, position: LogprobsOnePosition | None) -> None:
+        self.start_indices.append(len(self.logprobs))
+        for token_id, lp in (position or {}).items():
+            self.append_entry(token_id, lp.logprob, lp.rank, lp.decoded_token)
+        self.end_indices.append(len(self.logprobs))
+
+    def append_entry(self, token_id: int, logprob: float, rank: int | None, decoded: str | None) -> None:
+        """One entry of the position being built (between `start_position` and `end_position`)."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.ranks.append(rank)
+        self.decoded_tokens.append(decoded)
+
+    def start_position(self) -> None:
+        self.start_indices.append(len(self.logprobs))
+
+    def end_position(self) -> None:
+        self.end_indices.append(len(self.logprobs))
+
+    def extend(self, positions: Iterable[LogprobsOnePosition | None]) -> None:
+        for position in positions:
+            self.append(position)
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    @overload
+    def __getitem__(self, index: int) -> LogprobsOnePosition: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> FlatLogprobs: ...
+
+    def __getitem__(self, index: int | slice) -> LogprobsOnePosition | FlatLogprobs:
+        if isinstance(index, slice):
+            starts, ends = self.start_indices[index], self.end_indices[index]
+            if not starts:
+                return FlatLogprobs()
+            lo, hi = starts[0], ends[-1]
+            return FlatLogprobs([i - lo for i in starts], [i - lo for i in ends], self.token_ids[lo:hi],
+                                self.logprobs[lo:hi], self.ranks[lo:hi], self.decoded_tokens[lo:hi])
+        if not isinstance(index, int):
+            raise TypeError(f"Invalid index type: {type(index)}")
+        return {self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i])
+                for i in range(self.start_indices[index], self.end_indices[index])}
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise TypeError("Cannot set logprobs in FlatLogprobs")
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError("Cannot delete logprobs from FlatLogprobs")
+
+    def insert(self, index: int, value: LogprobsOnePosition | None) -> None:
+        raise TypeError("Cannot insert logprobs to FlatLogprobs")
+
+    def __iter__(self) -> Iterator[LogprobsOnePosition]:
+        return (self[i] for i in range(len(self)))
+
+    def __add__(self, other: Iterable[LogprobsOnePosition | None]) -> FlatLogprobs:
+        """A new container (DELTA outputs merging in a lagging consumer's queue)."""
+        out = self[:]
+        out.extend(other)
+        return out
+
+    def __radd__(self, other: Iterable[LogprobsOnePosition | None]) -> FlatLogprobs:
+        out = FlatLogprobs()
+        out.extend(other)
+        out.extend(self)
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FlatLogprobs):
+            return (self.start_indices, self.end_indices, self.token_ids, self.logprobs, self.ranks,
+                    self.decoded_tokens) == (other.start_indices, other.end_indices, other.token_ids,
+                                             other.logprobs, other.ranks, other.decoded_tokens)
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and all(a == (b or {}) for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# One dict per position: token id -> Logprob (the sampled/prompt token plus the top-k);
+# a FlatLogprobs with flat_logprobs=True. The first prompt position is None (nothing precedes it).
+SampleLogprobs = FlatLogprobs | list[LogprobsOnePosition]
+PromptLogprobs = FlatLogprobs | list[LogprobsOnePosition | None]
+
+_C = TypeVar("_C")
+
+
+def _keeps_unknown_kwargs(cls: type[_C]) -> type[_C]:
+    """Wrap a dataclass __init__ so unknown keyword arguments become attributes."""
+    init: Callable[..., None] = cls.__init__  # type: ignore[misc]
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        extra = {k: kwargs.pop(k) for k in [k for k in kwargs if k not in known]}
+        init(self, *args, **kwargs)
+        for name, value in extra.items():
+            setattr(self, name, value)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+@_keeps_unknown_kwargs
 @dataclass
 class CompletionOutput:
     index: int
@@ -47,6 +175,7 @@ class RequestStateStats:
     num_generation_tokens: int = 0
 
 
+@_keeps_unknown_kwargs
 @dataclass
 class RequestOutput:
     request_id: str

@@ -6,6 +6,7 @@ client, turns the same text into the request's ERROR output. The scheduler trust
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from tidal.protocol.sampling_params import SamplingParams
 
@@ -35,13 +36,49 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     lo, hi = min(prompt_token_ids), max(prompt_token_ids)
     if lo < 0 or hi >= vocab:
         return f"prompt token id {lo if lo < 0 else hi} is out of vocabulary range [0, {vocab})"
-    for name in ("logprobs", "prompt_logprobs"):
+    problem = _check_logprobs(params, limits)
+    if problem is None:
+        problem = _check_token_ids(params, vocab)
+    if problem is None and eos_token_id is not None and not 0 <= eos_token_id < vocab:
+        problem = f"eos_token_id {eos_token_id} is out of vocabulary range [0, {vocab})"
+    return problem
+
+
+def _check_logprobs(params: SamplingParams, limits: RequestLimits) -> str | None:
+    """vLLM's rule: -1 means the whole vocabulary, and so does max_logprobs=-1."""
+    vocab = limits.vocab_size
+    most = vocab if limits.max_logprobs == -1 else limits.max_logprobs
+    for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         k = getattr(params, name)
-        if k is not None and k > limits.max_logprobs:
-            return f"requested {name}={k} exceeds max_logprobs {limits.max_logprobs}"
-    for t in params.stop_token_ids or ():
-        if t >= vocab:
-            return f"stop_token_ids holds {t}, out of vocabulary range [0, {vocab})"
-    if eos_token_id is not None and not 0 <= eos_token_id < vocab:
-        return f"eos_token_id {eos_token_id} is out of vocabulary range [0, {vocab})"
+        if k == -1:
+            k = vocab
+        if k is not None and k > most:
+            return (f"Requested {what} logprobs of {k}, which is greater than max allowed: {most} "
+                    f"({name}={getattr(params, name)}, max_logprobs={limits.max_logprobs})")
+    return None
+
+
+def _out_of_range(ids: Iterable[int], vocab: int) -> list[int]:
+    return [t for t in ids if not 0 <= t < vocab]
+
+
+def _check_token_ids(params: SamplingParams, vocab: int) -> str | None:
+    """Every token id the sampler will index with, checked against the vocabulary: from the
+    wire, an id out of range must fail its request, never the sampler (and the engine)."""
+    if bad := _out_of_range(params.stop_token_ids or (), vocab):
+        return (f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab} (ids out of vocabulary range [0, {vocab}))")
+    allowed = params.allowed_token_ids
+    if allowed is not None and not allowed:
+        return "allowed_token_ids is not None and empty!"
+    if allowed is not None and (bad := _out_of_range(allowed, vocab)):
+        return f"allowed_token_ids contains out-of-vocab token id! {bad} not in [0, {vocab})"
+    if params.logit_bias and (bad := _out_of_range(params.logit_bias, vocab)):
+        return f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}"
+    sequences = params.bad_words_token_ids or ()
+    if any(not seq for seq in sequences):
+        return "bad_words token ids hold an empty sequence"
+    if bad := _out_of_range((t for seq in sequences for t in seq), vocab):
+        return (f"The model vocabulary size is {vocab}, but the following tokens were specified as "
+                f"bad: {bad}. All token id values should be integers satisfying: 0 <= token_id <= {vocab - 1}.")
     return None

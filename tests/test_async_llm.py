@@ -7,6 +7,7 @@ does not matter; the tiny real model where text does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -186,7 +187,7 @@ async def test_running_id_is_rejected_and_bad_input_raises_first(engine: AsyncLL
         await collect(engine, "dup", "abc", SamplingParams(max_tokens=4))
     await gen.aclose()
     for prompt, params in [("", SamplingParams()), ({"prompt_token_ids": [10**6]}, SamplingParams()),
-                           ("abc", SamplingParams(max_tokens=70_000)), (123, SamplingParams())]:
+                           ("abc", SamplingParams(logprobs=1000)), (123, SamplingParams())]:
         with pytest.raises(ValueError):
             await collect(engine, "bad", prompt, params)
     with pytest.raises(TypeError):
@@ -298,3 +299,114 @@ def test_dropped_engine_stops_its_core(long_model_dir: str) -> None:
     gc.collect()
     assert pid not in {p.pid for p in core_children()}
     assert not os.path.exists(ipc_dir)
+
+
+# ------------------------------------------- vLLM's AsyncLLM surface (issue 10)
+
+
+async def _first_output(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    return await gen.__anext__()
+
+
+async def test_pause_without_waiting_aborts_and_holds_new_requests(engine: AsyncLLM) -> None:
+    gen = engine.generate("abc", SamplingParams(max_tokens=LONG, ignore_eos=True, output_kind=DELTA), "p0")
+    await _first_output(gen)
+    assert not await engine.is_paused()
+    await engine.pause_generation()
+    assert await engine.is_paused()
+    rest = [o async for o in gen]
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    held = asyncio.create_task(collect(engine, "p1", "abc", SamplingParams(max_tokens=5, ignore_eos=True)))
+    for _ in range(20):  # the task runs up to its wait for resume, and no further
+        await asyncio.sleep(0)
+    assert not held.done() and engine.get_num_unfinished_requests() == 0
+    await engine.resume_generation()
+    outs = await held
+    assert not await engine.is_paused() and len(outs[-1].outputs[0].token_ids) == 5
+    await assert_clean(engine)
+
+
+async def test_pause_waiting_lets_inflight_requests_finish(engine: AsyncLLM) -> None:
+    task = asyncio.create_task(collect(engine, "w0", "abc", SamplingParams(max_tokens=300, ignore_eos=True)))
+    while engine.get_num_unfinished_requests() == 0:
+        await asyncio.sleep(0)
+    await engine.pause_generation(wait_for_inflight_requests=True, clear_cache=False)
+    assert engine.get_num_unfinished_requests() == 0
+    outs = await task
+    assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 300
+    await engine.resume_generation()
+    await assert_clean(engine)
+
+
+async def test_request_options_and_abort_internal(engine: AsyncLLM) -> None:
+    for kwargs, match in [(dict(priority=1), "Priority scheduling is not enabled"),
+                          (dict(lora_request=object()), "LoRA"), (dict(data_parallel_rank=1), "data_parallel_rank")]:
+        with pytest.raises(ValueError, match=match):
+            await collect_kw(engine, "opt", kwargs)
+    outs = await collect_kw(engine, "opt", dict(priority=0, data_parallel_rank=0, lora_request=None,
+                                                 prompt_text="abc", trace_headers={}, tokenization_kwargs={}))
+    assert outs[-1].finished
+    gen = engine.generate("abc", SamplingParams(max_tokens=LONG, ignore_eos=True), "ai")
+    await _first_output(gen)
+    await engine.abort(engine._running["ai"], internal=True)
+    assert [o async for o in gen][-1].outputs[0].finish_reason == "abort"
+    await engine.check_health()
+    assert engine.is_running and not engine.is_stopped and not engine.errored
+    await assert_clean(engine)
+
+
+async def collect_kw(engine: AsyncLLM, rid: str, kwargs: dict[str, Any]) -> list[RequestOutput]:
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    return [out async for out in engine.generate("abc", params, rid, **kwargs)]
+
+
+class _Recorder:
+    """A vLLM-style stat logger (StatLoggerBase's record/log) that keeps what it was given."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self.vllm_config, self.engine_index = vllm_config, engine_index
+        self.records: list[Any] = []
+        self.logs = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        self.records.append(scheduler_stats)
+
+    def log(self) -> None:
+        self.logs += 1
+
+
+async def test_from_engine_args_stats_and_loggers(long_model_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    from tidal.frontend import AsyncEngineArgs
+
+    loggers: list[_Recorder] = []
+
+    def factory(vllm_config: Any, engine_index: int) -> _Recorder:
+        loggers.append(_Recorder(vllm_config, engine_index))
+        return loggers[-1]
+
+    args = AsyncEngineArgs(model=long_model_dir, model_runner="null", max_model_len=2048, enable_log_requests=True)
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+    try:
+        assert loggers[0].vllm_config.model_config.max_model_len == 2048 and loggers[0].engine_index == 0
+        with caplog.at_level(logging.INFO, logger="tidal.frontend.async_llm"):
+            outs = await collect(engine, "s0", "abc", SamplingParams(max_tokens=6, ignore_eos=True))
+            await engine.do_log_stats()
+        assert outs[-1].metrics is not None  # stats on: vLLM's EngineArgs default
+        assert loggers[0].records and loggers[0].logs == 1
+        assert max(s.num_generation_tokens for s in loggers[0].records) >= 6
+        messages = [r.getMessage() for r in caplog.records]
+        assert "Added request s0." in messages and any("Generation tokens: 6" in m for m in messages)
+        assert (await engine.get_model_config()).max_model_len == 2048
+        assert (await engine.get_tokenizer()) is engine.tokenizer
+    finally:
+        engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    config = AsyncEngineArgs(model=long_model_dir, model_runner="null", max_model_len=1024).create_engine_config()
+    engine = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
+    try:
+        outs = await collect(engine, "v0", "abc", SamplingParams(max_tokens=4, ignore_eos=True))
+        assert outs[-1].metrics is None and engine.vllm_config.model_config.max_model_len == 1024
+    finally:
+        engine.shutdown()

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from engine_utils import (
+    EOS,
     MODELS,
     assert_all_blocks_free,
     assert_greedy_equal,
@@ -23,7 +24,7 @@ from engine_utils import (
     run_to_completion,
 )
 from tidal.protocol import SamplingParams
-from tidal.protocol.messages import EngineCoreEventType, FinishReason
+from tidal.protocol.messages import EngineCoreEventType, EngineCoreRequest, FinishReason
 
 HF_MODELS = [m for m in MODELS if m not in ("tiny", "tiny-4k", "micro")]
 
@@ -267,3 +268,69 @@ def test_seeded_sampling_alone_equals_crowded() -> None:
     # The whole crowd is reproducible too (seeded), whatever the pool.
     for c in crowd:
         assert tight[c.request_id].tokens == run[c.request_id].tokens, c.request_id
+
+
+def _preempted_ids(steps: list) -> list[str]:
+    """Ids whose runner state was dropped while they still had steps to run: preemptions."""
+    out = []
+    for i, s in enumerate(steps):
+        out += [rid for rid in s.finished_req_ids if any(rid in t.num_scheduled_tokens for t in steps[i:])]
+    return out
+
+
+def _prio_req(rid: str, prompt: list[int], max_tokens: int, priority: int, arrival: float) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, list(prompt), greedy(max_tokens), eos_token_id=EOS, arrival_time=arrival,
+                             priority=priority)
+
+
+def test_priority_policy_order_and_preemption() -> None:
+    """scheduling_policy="priority" on the engine (vLLM's): with one seat, requests run in
+    (priority, arrival) order whatever order they came in; when the KV pool runs dry, the
+    lower-priority request is preempted, not the last admitted (FCFS preempts the latter).
+    Tokens stay transformers' greedy ones throughout."""
+    name = "qwen3-gqa-tied"
+    rng = random.Random(21)
+    prompts = {rid: robust_prompt(name, rng, n, 24) for rid, n in (("p2", 9), ("p0", 14), ("p1", 5), ("q0", 7))}
+    order_reqs = [_prio_req("p2", prompts["p2"], 6, 2, 0.0), _prio_req("p0", prompts["p0"], 6, 0, 1.0),
+                  _prio_req("p1", prompts["p1"], 6, 1, 2.0), _prio_req("q0", prompts["q0"], 6, 0, 3.0)]
+    core = make_core(name, max_num_seqs=1, max_model_len=64, num_kv_blocks=16, scheduling_policy="priority")
+    try:
+        run = run_to_completion(core, order_reqs)
+    finally:
+        core.shutdown()
+    assert [rid for s in run.steps for rid in s.new_reqs] == ["p0", "q0", "p1", "p2"]
+    for rid, prompt in prompts.items():
+        assert_greedy_equal(run[rid].tokens, hf_generate(name, prompt, 6), rid)
+
+    # L (priority 1) then H (priority 0, one step later); 8 blocks of 8 cannot hold both.
+    runs = {}
+    for policy in ("priority", "fcfs"):
+        low = _prio_req("L", prompts["p2"], 24, 1 if policy == "priority" else 0, 0.0)
+        high = _prio_req("H", prompts["p0"], 20, 0, 1.0)
+        core = make_core(name, max_model_len=64, block_size=8, num_kv_blocks=8, scheduling_policy=policy)
+        try:
+            runs[policy] = run_to_completion(core, [low], joins={1: [high]})
+            assert_all_blocks_free(core)
+        finally:
+            core.shutdown()
+        ref = {"L": hf_generate(name, prompts["p2"], 24), "H": hf_generate(name, prompts["p0"], 20)}
+        for rid in ("L", "H"):
+            assert_greedy_equal(runs[policy][rid].tokens, ref[rid], f"{policy} {rid}")
+    prio, fcfs = runs["priority"], runs["fcfs"]
+    assert prio.stats.num_preemptions >= 1 and set(_preempted_ids(prio.steps)) == {"L"}
+    assert fcfs.stats.num_preemptions >= 1 and set(_preempted_ids(fcfs.steps)) == {"H"}
+    # Under priority H never waits once admitted: it is scheduled every step until it finishes.
+    h_steps = [i for i, s in enumerate(prio.steps) if "H" in s.num_scheduled_tokens]
+    assert h_steps == list(range(h_steps[0], h_steps[0] + len(h_steps))) and len(h_steps) == 20
+
+
+def test_priority_needs_the_priority_policy() -> None:
+    """A non-zero priority under FCFS fails alone, with vLLM's message; 0 is fine."""
+    core = make_core("tiny", max_model_len=64, num_kv_blocks=16)
+    try:
+        run = run_to_completion(core, [_prio_req("x", [5, 6], 2, 3, 0.0), _prio_req("y", [5, 6], 2, 0, 0.0)])
+    finally:
+        core.shutdown()
+    assert [(e.request_id, e.error) for e in run.errors] == [
+        ("x", "Got priority 3 but Priority scheduling is not enabled.")]
+    assert run["y"].finish_reason == FinishReason.LENGTH

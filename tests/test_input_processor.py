@@ -84,8 +84,14 @@ def test_max_tokens_past_the_window_is_accepted(ip: InputProcessor) -> None:
     ({}, SamplingParams(), "needs 'prompt' or 'prompt_token_ids'"),
     ({"prompt": 3}, SamplingParams(), "'prompt' must be a str"),
     ([1, 2, 3], SamplingParams(), "prompt must be"),
-    ("hi", SamplingParams(logprobs=6), "logprobs=6 exceeds max_logprobs 5"),
-    ("hi", SamplingParams(prompt_logprobs=9), "prompt_logprobs=9 exceeds max_logprobs 5"),
+    ("hi", SamplingParams(logprobs=6), "Requested sample logprobs of 6, which is greater than max allowed: 5"),
+    ("hi", SamplingParams(prompt_logprobs=9), "Requested prompt logprobs of 9, which is greater than max allowed: 5"),
+    ("hi", SamplingParams(logprobs=-1), "Requested sample logprobs of 1000, which is greater than max allowed: 5"),
+    ("hi", SamplingParams(allowed_token_ids=[]), "allowed_token_ids is not None and empty!"),
+    ("hi", SamplingParams(allowed_token_ids=[3, 1000]), r"allowed_token_ids contains out-of-vocab token id!"),
+    ("hi", SamplingParams(logit_bias={-1: 1.0}), r"token_id\(s\) \[-1\] in logit_bias contain out-of-vocab"),
+    ("hi", SamplingParams(stop_token_ids=[1000]), r"token_id\(s\) \[1000\] in stop_token_ids"),
+    ("hi", SamplingParams(truncate_prompt_tokens=MAX_LEN + 1), "is greater than max_model_len"),
 ])
 def test_value_errors(ip: InputProcessor, prompt: Any, params: SamplingParams, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -128,3 +134,64 @@ async def test_process_async(ip: InputProcessor, tokenizer: Any) -> None:
     assert t is None and req.prompt_token_ids == [1, 2]
     with pytest.raises(ValueError, match="empty"):
         await ip.process_async("r", "", SamplingParams())
+
+
+def test_bad_words_tokenized_as_vllm(ip: InputProcessor, tokenizer: Any) -> None:
+    """Each bad word as written (leading spaces stripped), and after a space where that gives a
+    different first token and the same length (vLLM's update_from_tokenizer)."""
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    words = ["hello", "  world", "世界"]
+    req, _ = ip.process("a", "hi", SamplingParams(bad_words=words))
+    expected: list[list[int]] = []
+    for w in words:
+        plain, spaced = enc(w.lstrip()), enc(" " + w.lstrip())
+        expected.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            expected.append(spaced)
+    assert req.sampling_params.bad_words_token_ids == expected
+    assert any(len(seq) > 1 for seq in expected)  # a multi-token bad word is exercised
+    no_tok = InputProcessor(None, max_model_len=MAX_LEN, vocab_size=1000, max_logprobs=5)
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        no_tok.process("b", {"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]))
+
+
+def test_bad_word_token_ids_range_checked(ip: InputProcessor) -> None:
+    params = SamplingParams()
+    params._bad_words_token_ids = [[5, 1000]]  # as a client could send it
+    with pytest.raises(ValueError, match=r"specified as bad: \[1000\]"):
+        ip.process("a", "hi", params)
+
+
+def test_truncate_prompt_tokens_keeps_the_last(ip: InputProcessor) -> None:
+    def truncated(ids: list[int], keep: int) -> list[int]:
+        return ip.process("a", {"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=keep))[0].prompt_token_ids
+
+    assert truncated(list(range(10)), 3) == [7, 8, 9]
+    assert truncated(list(range(10)), 20) == list(range(10))
+    assert truncated(list(range(MAX_LEN - 1)), -1) == list(range(MAX_LEN - 1))  # -1: max_model_len
+    with pytest.raises(ValueError, match=f"prompt length {MAX_LEN} leaves no room"):  # cut to MAX_LEN
+        truncated(list(range(MAX_LEN + 5)), -1)
+
+
+def test_truncate_text_prompt_and_validation(ip: InputProcessor, tokenizer: Any) -> None:
+    text = "Hello, 世界 😀 and more words"
+    full = tokenizer(text).input_ids
+    req, prompt = ip.process("a", text, SamplingParams(truncate_prompt_tokens=4))
+    assert req.prompt_token_ids == full[-4:] and prompt == text
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1 or -1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_extra_args_kept_by_caller_not_sent(ip: InputProcessor) -> None:
+    user = SamplingParams(extra_args={"plugin": {"x": [1, 2]}})
+    req, _ = ip.process("a", "hi", user)
+    assert req.sampling_params.extra_args is None and user.extra_args == {"plugin": {"x": [1, 2]}}
+
+
+def test_whole_vocab_logprobs_within_unlimited_max_logprobs(tokenizer: Any) -> None:
+    ip = InputProcessor(tokenizer, max_model_len=MAX_LEN, vocab_size=len(tokenizer), max_logprobs=-1)
+    req, _ = ip.process("a", "hi", SamplingParams(logprobs=-1, prompt_logprobs=-1))
+    assert req.sampling_params.logprobs == -1

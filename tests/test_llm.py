@@ -106,7 +106,7 @@ def test_in_process_mode(long_model_dir: str, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("TIDAL_ENABLE_MULTIPROCESSING", "0")
     before = {p.pid for p in core_children()}
     with LLM(model=long_model_dir, model_runner="null", max_model_len=2048) as engine:
-        assert isinstance(engine.llm_engine, InprocClient)
+        assert isinstance(engine.engine_core, InprocClient)
         assert {p.pid for p in core_children()} == before  # no engine-core process
         outs = engine.generate(["x", "y"], [SamplingParams(max_tokens=3, ignore_eos=True),
                                             SamplingParams(max_tokens=9, ignore_eos=True, n=2)], use_tqdm=False)
@@ -124,8 +124,8 @@ def test_unknown_engine_arg_is_a_type_error() -> None:
 
 def test_dead_core_raises_and_shutdown_cleans_up(long_model_dir: str, no_leaked_cores: None) -> None:
     engine = LLM(model=long_model_dir, model_runner="null", max_model_len=65536, max_num_seqs=2)
-    assert isinstance(engine.llm_engine, SyncMPClient)
-    proc = engine.llm_engine.process
+    assert isinstance(engine.engine_core, SyncMPClient)
+    proc = engine.engine_core.process
     assert proc is not None
     killer = threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL))  # mid-generate
     killer.start()
@@ -157,3 +157,96 @@ def test_unknown_model_dir_or_architecture_is_a_value_error(tmp_path: Any, long_
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, "
                                          "Qwen2ForCausalLM, Qwen3ForCausalLM"):
         LLM(model=str(bad))
+
+
+# ------------------------------------------------------- vLLM engine args and views
+
+
+def test_engine_arg_classes_at_construction(long_model_dir: str, caplog: pytest.LogCaptureFixture,
+                                            no_leaked_cores: None) -> None:
+    """Refused and misspelt args fail before any process starts; no-ops warn once and run."""
+    with pytest.raises(ValueError, match="LoRA"):
+        LLM(model=long_model_dir, model_runner="null", enable_lora=True)
+    with pytest.raises(TypeError, match="did you mean 'enforce_eager'"):
+        LLM(model=long_model_dir, model_runner="null", enforce_eagr=True)
+    with caplog.at_level("WARNING", logger="tidal.engine_args"):
+        with LLM(long_model_dir, model_runner="null", max_model_len=256, compilation_config=3,
+                 swap_space=8, enforce_eager=True, multiprocessing=False) as engine:
+            out = engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                                  use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and engine.config.enforce_eager
+    warned = sorted(r.getMessage().split("=")[0] for r in caplog.records)
+    assert warned == ["engine arg compilation_config", "engine arg swap_space"]
+
+
+def test_config_views_match_config_json(tiny_model_dir: str) -> None:
+    import json
+
+    import torch
+
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        raw = json.load(f)
+    with LLM(tiny_model_dir, model_runner="null", multiprocessing=False, served_model_name="tiny") as engine:
+        vc = engine.llm_engine.vllm_config
+        mc = engine.llm_engine.model_config
+        assert mc is not None and engine.model_config.max_model_len == raw["max_position_embeddings"]
+        assert vc.model_config.get_vocab_size() == raw["vocab_size"] == mc.hf_config.vocab_size
+        assert mc.get_hidden_size() == raw["hidden_size"] and mc.get_num_layers() == raw["num_hidden_layers"]
+        assert mc.dtype == getattr(torch, raw.get("dtype") or raw["torch_dtype"])
+        assert mc.architectures == raw["architectures"] and mc.tokenizer == tiny_model_dir
+        assert (mc.model, mc.served_model_name, mc.logprobs_mode, mc.max_logprobs, mc.seed) == (
+            tiny_model_dir, "tiny", "raw_logprobs", 20, 0)
+        assert vc.cache_config.num_gpu_blocks == engine.info.num_kv_blocks
+        assert vc.scheduler_config.max_model_len == raw["max_position_embeddings"]
+        assert vc.parallel_config.world_size == 1 and vc.lora_config is None
+        assert engine.llm_engine.get_tokenizer() is engine.get_tokenizer() is engine.llm_engine.tokenizer
+        assert engine.llm_engine.log_stats is False  # LLM's default, as vLLM
+        assert engine.llm_engine.get_stats().num_running_reqs == 0  # the core client's, as before
+
+
+def test_skip_tokenizer_init(tiny_model_dir: str) -> None:
+    with LLM(tiny_model_dir, model_runner="null", multiprocessing=False, skip_tokenizer_init=True) as engine:
+        assert engine.llm_engine.tokenizer is None
+        with pytest.raises(ValueError):
+            engine.get_tokenizer()
+        with pytest.raises(ValueError, match="tokenizer"):
+            engine.generate("text needs a tokenizer", use_tqdm=False)
+        out = engine.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == "" and out.prompt_token_ids == [5, 6, 7]
+
+
+def test_tokenizer_mode_and_revisions_reach_from_pretrained(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from tidal.frontend.engine_args import EngineArgs
+    from tidal.frontend.engine_setup import load_tokenizer
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, **kw: seen.append(kw) or object())
+    for kwargs in (dict(tokenizer_mode="slow", revision="r1"), dict(tokenizer_mode="hf", tokenizer_revision="t2"),
+                   dict()):
+        load_tokenizer(EngineArgs(model=tiny_model_dir, **kwargs).create_engine_config())
+    assert [(kw["use_fast"], kw["revision"]) for kw in seen] == [(False, "r1"), (True, "t2"), (True, None)]
+
+
+def test_priority_reaches_the_core_request(long_model_dir: str) -> None:
+    with LLM(long_model_dir, model_runner="null", multiprocessing=False, scheduling_policy="priority",
+             max_model_len=256) as engine:
+        sent: list[Any] = []
+        add = engine.engine_core.add_request
+        engine.engine_core.add_request = lambda req: (sent.append(req), add(req))[1]  # type: ignore[method-assign]
+        outs = engine.generate(["a", "b", "c"], SamplingParams(max_tokens=2, ignore_eos=True),
+                               priority=[3, -1, 0], use_tqdm=False)
+        assert [o.prompt for o in outs] == ["a", "b", "c"]
+        assert [r.priority for r in sent] == [3, -1, 0]
+        with pytest.raises(ValueError, match="LoRA"):
+            engine.generate("a", lora_request=object(), use_tqdm=False)
+        with pytest.raises(ValueError, match="one per prompt"):
+            engine.generate(["a", "b"], priority=[1], use_tqdm=False)
+    with LLM(long_model_dir, model_runner="null", multiprocessing=False, max_model_len=256) as fcfs:
+        with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+            fcfs.generate(["a", "b"], priority=[0, 1], use_tqdm=False)
+        assert not fcfs.output_processor.has_unfinished_requests()
+        assert fcfs.get_stats().num_waiting_reqs == 0

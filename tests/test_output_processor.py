@@ -189,7 +189,8 @@ def test_parent_fan_out(tokenizer: Any, kind: RequestOutputKind) -> None:
     params = SamplingParams(n=3, seed=100, output_kind=kind, max_tokens=5)
     op = OutputProcessor(tokenizer)
     q = RequestOutputCollector(kind)
-    children = op.add_request(EngineCoreRequest("p", PROMPT, params, 0), "prompt", q)
+    children = op.add_request(EngineCoreRequest("p", PROMPT, params, 0, priority=4), "prompt", q)
+    assert all(c.priority == 4 for c in children)  # each child is scheduled at the parent's priority
     assert children[2].request_id == "2_p" and children[2].sampling_params == params.clone(n=1, seed=102)
     assert params.n == 3 and params.seed == 100  # parent params untouched
     for i, child in enumerate(children):
@@ -398,3 +399,86 @@ def test_metrics_only_with_stats(tokenizer: Any) -> None:
     (out,) = op.process_outputs([EngineCoreOutput("s", [5], finish_reason=FinishReason.LENGTH,
                                                   events=[(queued, t)])]).request_outputs
     assert out.metrics is None
+
+
+# ------------------------------------------------------------------ logprobs containers and text
+
+
+def _run_logprobs(tokenizer: Any, kind: RequestOutputKind, flat: bool, prompt: list[int], ids: list[int]
+                  ) -> tuple[list[RequestOutput], Any, Any]:
+    """One request fed token by token (its prompt logprobs with the first token); returns its
+    outputs and the whole sample / prompt logprobs as the user would assemble them."""
+    op = OutputProcessor(tokenizer)
+    params = SamplingParams(logprobs=2, prompt_logprobs=1, output_kind=kind, flat_logprobs=flat)
+    op.add_request(EngineCoreRequest("r", prompt, params, eos_token_id=0), None)
+    outs = []
+    for i, t in enumerate(ids):
+        outs += op.process_outputs([EngineCoreOutput(
+            "r", [t], new_logprobs=_lp([t]), new_prompt_logprobs=_lp(prompt[1:], 1) if i == 0 else None,
+            finish_reason=FinishReason.LENGTH if i == len(ids) - 1 else None)]).request_outputs
+    if kind == DELTA:
+        sample = [row for o in outs for row in o.outputs[0].logprobs]
+        prompt_lp = [row for o in outs if o.prompt_logprobs is not None for row in o.prompt_logprobs]
+    else:
+        sample, prompt_lp = list(outs[-1].outputs[0].logprobs), list(outs[-1].prompt_logprobs)
+    return outs, sample, prompt_lp
+
+
+@pytest.mark.parametrize("kind", [CUM, DELTA, FINAL])
+def test_flat_logprobs_equal_nested(tokenizer: Any, kind: RequestOutputKind) -> None:
+    from tidal.protocol.outputs import FlatLogprobs
+
+    ids = [20, 21, 20, 33]
+    flat_outs, flat_sample, flat_prompt = _run_logprobs(tokenizer, kind, True, PROMPT, ids)
+    nested_outs, sample, prompt_lp = _run_logprobs(tokenizer, kind, False, PROMPT, ids)
+    assert all(isinstance(o.outputs[0].logprobs, FlatLogprobs) for o in flat_outs)
+    assert all(isinstance(o.outputs[0].logprobs, list) for o in nested_outs)
+    assert flat_sample == sample and len(sample) == len(ids)
+    assert flat_outs[-1].outputs[0].logprobs == nested_outs[-1].outputs[0].logprobs
+    # Prompt logprobs: position 0 is None in the nested form, an empty position in the flat one.
+    assert prompt_lp[0] is None and flat_prompt[0] == {} and flat_prompt[1:] == prompt_lp[1:]
+    assert len(prompt_lp) == len(PROMPT)
+    flat = flat_outs[-1].outputs[0].logprobs
+    if kind != DELTA:
+        assert len(flat.token_ids) == sum(len(d) for d in sample)  # flat lists, no dicts stored
+        assert flat[1:3] == sample[1:3] and isinstance(flat[1:3], FlatLogprobs)
+
+
+@pytest.mark.parametrize("kind", [CUM, DELTA, FINAL])
+def test_prompt_logprobs_first_entry_none(tokenizer: Any, kind: RequestOutputKind) -> None:
+    outs, _, _ = _run_logprobs(tokenizer, kind, False, PROMPT, [20, 21])
+    first = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    assert first[0] is None and all(isinstance(d, dict) for d in first[1:])
+
+
+def _split_char_text(tokenizer: Any) -> tuple[str, list[int]]:
+    """A text with a character split across byte-level tokens (its pieces decode to U+FFFD)."""
+    for text in ("日本語のテキスト😀", "😀🎉👍", "中文文本测试", "ünïcödé 🎉"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if any(tokenizer.decode([t]).endswith("\ufffd") for t in ids):
+            return text, ids
+    raise AssertionError("the tokenizer splits no character across tokens")
+
+
+def test_decoded_token_completes_split_characters(tokenizer: Any) -> None:
+    text, ids = _split_char_text(tokenizer)
+    prompt = [10] + ids  # prompt logprobs score ids too
+    outs, sample, prompt_lp = _run_logprobs(tokenizer, CUM, False, prompt, ids)
+    for rows in (sample, prompt_lp[1:]):
+        chosen = [row[t].decoded_token for row, t in zip(rows, ids)]
+        assert not any(c.endswith("\ufffd") for c in chosen), chosen
+        assert "".join(chosen) == text  # each piece carries what it completes, "" what it begins
+    # Top-k alternatives are decoded in the same context, never ending in U+FFFD either.
+    assert not any(lp.decoded_token.endswith("\ufffd") for row in sample for lp in row.values())
+    assert outs[-1].outputs[0].text == text
+
+
+def test_outputs_keep_unknown_kwargs() -> None:
+    from tidal.protocol import CompletionOutput
+
+    c = CompletionOutput(0, "x", [1], None, None, finish_reason="stop", some_new_field=[1, 2])
+    r = RequestOutput("r", "p", [1], None, [c], True, kv_transfer_params={"a": 1}, encoder_prompt=None)
+    assert c.some_new_field == [1, 2] and c.finish_reason == "stop" and c.finished()
+    assert r.kv_transfer_params == {"a": 1} and r.encoder_prompt is None and r.outputs == [c]
+    with pytest.raises(TypeError):
+        RequestOutput("r")  # required arguments stay required

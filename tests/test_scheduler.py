@@ -97,8 +97,10 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def make_req(rid: str, prompt: list[int], eos: int | None = None, max_model_len: int = 1024, **sp: object) -> Request:
-    return Request(rid, prompt, SamplingParams(**sp), eos_token_id=eos, arrival_time=0.0, max_model_len=max_model_len)
+def make_req(rid: str, prompt: list[int], eos: int | None = None, max_model_len: int = 1024,
+             priority: int = 0, arrival_time: float = 0.0, **sp: object) -> Request:
+    return Request(rid, prompt, SamplingParams(**sp), eos_token_id=eos, arrival_time=arrival_time,
+                   max_model_len=max_model_len, priority=priority)
 
 
 def make_sched(**kw: object) -> Scheduler:
@@ -299,6 +301,100 @@ def test_preempted_id_in_finished_req_ids_and_resent_in_full() -> None:
     assert resumed > 0 and resumed <= sched.num_preemptions
 
 
+# ------------------------------------------------------------------ scheduling policy
+
+
+def _admission_order(policy: str) -> list[str]:
+    """One seat (max_num_seqs=1): the order requests are admitted in is the queue's order."""
+    sched = make_sched(max_num_seqs=1, policy=policy)
+    for rid, priority, arrival in (("a", 2, 0.0), ("b", 0, 1.0), ("c", 1, 2.0), ("d", 0, 3.0), ("e", 1, 2.0)):
+        sched.add_request(make_req(rid, [1, 2, 3], max_tokens=2, priority=priority, arrival_time=arrival))
+    order = [n.req_id for so, _ in run_steps(sched, FakeRunner(4)) for n in so.scheduled_new_reqs]
+    assert_pool_empty(sched)
+    return order
+
+
+def test_priority_admits_lowest_value_then_earliest_arrival() -> None:
+    # (priority, arrival): b (0, 1), d (0, 3), c (1, 2), e (1, 2: equal, added later), a (2, 0)
+    assert _admission_order("priority") == ["b", "d", "c", "e", "a"]
+    assert _admission_order("fcfs") == ["a", "b", "c", "d", "e"]  # FCFS ignores priority
+
+
+def _run_low_then_high(policy: str) -> tuple[Scheduler, list[SchedulerOutput], dict[str, list[int]]]:
+    """L (priority 1) runs alone for a step, then H (priority 0) arrives; 6 blocks of 4 run out
+    at step 5, when L (first in `running`, so already scheduled) and H both need a block."""
+    sched = make_sched(num_kv_blocks=6, max_model_len=24, policy=policy)
+    runner = FakeRunner(4)
+    prompts = {"L": [1] * 8, "H": [2] * 5}
+    sched.add_request(make_req("L", prompts["L"], max_model_len=24, max_tokens=12, priority=1))
+    tokens: dict[str, list[int]] = {}
+    schedules: list[SchedulerOutput] = []
+    for so, outs in run_steps(sched, runner):
+        schedules.append(so)
+        if len(schedules) == 1:
+            sched.add_request(make_req("H", prompts["H"], max_model_len=24, max_tokens=8, priority=0,
+                                       arrival_time=1.0))
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert tokens == {"L": reference_tokens(prompts["L"], 12), "H": reference_tokens(prompts["H"], 8)}
+    assert_pool_empty(sched)
+    return sched, schedules, tokens
+
+
+def test_priority_preempts_the_lowest_priority_running_request() -> None:
+    sched, schedules, _ = _run_low_then_high("priority")
+    steps = [dict(so.num_scheduled_tokens) for so in schedules]
+    assert steps[:5] == [{"L": 8}, {"L": 1, "H": 5}, {"L": 1, "H": 1}, {"L": 1, "H": 1}, {"L": 1, "H": 1}]
+    # Step 5: L got its block first, then H found none: L (the larger (priority, arrival)) is
+    # taken back out of the step and preempted; H gets the block and runs to its end.
+    assert steps[5:9] == [{"H": 1}] * 4 and schedules[5].finished_req_ids == ["L"]
+    assert [c.req_id for c in schedules[5].scheduled_cached_reqs] == ["H"]
+    assert schedules[5].scheduled_cached_reqs[0].new_block_ids == [5]  # the block L had taken
+    assert schedules[9].scheduled_new_reqs[0].req_id == "L"  # resumed once H is done
+    assert sched.num_preemptions == 1
+
+
+def test_fcfs_preempts_the_tail_whatever_its_priority() -> None:
+    sched, schedules, _ = _run_low_then_high("fcfs")
+    steps = [dict(so.num_scheduled_tokens) for so in schedules]
+    assert steps[5] == {"L": 1} and schedules[5].finished_req_ids == ["H"]  # H was last admitted
+    assert steps[5:12] == [{"L": 1}] * 7 and steps[12] == {"H": 5}
+    assert sched.num_preemptions == 1
+
+
+def test_preempted_request_waits_at_its_priority() -> None:
+    sched = make_sched(num_kv_blocks=6, max_model_len=24, policy="priority")
+    runner = FakeRunner(4)
+    sched.add_request(make_req("L", [1] * 8, max_model_len=24, max_tokens=12, priority=1))
+    admitted: list[str] = []
+    dropped: dict[int, list[str]] = {}  # step -> ids whose runner state it dropped
+    for step, (so, _) in enumerate(run_steps(sched, runner)):
+        admitted += [n.req_id for n in so.scheduled_new_reqs]
+        if so.finished_req_ids:
+            dropped[step] = so.finished_req_ids
+        if step == 0:
+            sched.add_request(make_req("H", [2] * 5, max_model_len=24, max_tokens=8, arrival_time=1.0))
+        if step == 5:  # L was just preempted (as above); two more arrive while H runs
+            assert [r.request_id for r in sched.waiting] == ["L"]
+            sched.add_request(make_req("M", [3] * 4, max_model_len=24, max_tokens=2, priority=2, arrival_time=2.0))
+            sched.add_request(make_req("N", [4] * 4, max_model_len=24, max_tokens=2, priority=1, arrival_time=3.0))
+            assert [r.request_id for r in sched.waiting] == ["L", "N", "M"]
+    # Once H is done, L resumes before N (same priority, earlier arrival), then M. At step 10
+    # N needs a block: the victim is M, the lowest priority, admitted last.
+    assert admitted == ["L", "H", "L", "N", "M", "M"]
+    assert dropped == {5: ["L"], 9: ["H"], 10: ["M"], 11: ["N"], 12: ["M"]}  # 5, 10: preempted
+    assert sched.num_preemptions == 2
+    assert_pool_empty(sched)
+
+
+def test_unknown_policy_and_from_config() -> None:
+    with pytest.raises(ValueError):
+        make_sched(policy="lifo")
+    cfg = EngineConfig(scheduling_policy="priority")
+    assert Scheduler.from_config(cfg, num_kv_blocks=600, max_model_len=4096).policy.value == "priority"
+    assert Scheduler.from_config(EngineConfig(), num_kv_blocks=600, max_model_len=4096).policy.value == "fcfs"
+
+
 # ------------------------------------------------------------------ stops
 
 
@@ -425,8 +521,9 @@ def test_outputs_grouped_by_client() -> None:
 # ------------------------------------------------------------------ randomized invariants
 
 
-def _random_case(seed: int) -> None:
+def _random_case(seed: int, policy: str = "fcfs") -> None:
     rng = random.Random(seed)
+    priority_rng = random.Random(~seed)  # a separate stream: the FCFS cases stay as they were
     block_size = rng.choice([1, 2, 4, 8])
     max_model_len = rng.randint(8, 48)
     chunked = rng.random() < 0.8
@@ -435,7 +532,7 @@ def _random_case(seed: int) -> None:
     sched = Scheduler(
         max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=budget, block_size=block_size,
         num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-        enable_prefix_caching=rng.random() < 0.8, enable_chunked_prefill=chunked,
+        enable_prefix_caching=rng.random() < 0.8, enable_chunked_prefill=chunked, policy=policy,
     )
     runner = FakeRunner(block_size)
     bases = [[rng.randrange(VOCAB) for _ in range(max_model_len)] for _ in range(2)]
@@ -462,7 +559,8 @@ def _random_case(seed: int) -> None:
             _, rid, prompt, eos, sp = item
             specs[rid] = dict(prompt=prompt, eos=eos, **sp)
             runner.eos_by_id[rid] = eos
-            sched.add_request(make_req(rid, prompt, eos=eos, max_model_len=max_model_len, **sp))
+            sched.add_request(make_req(rid, prompt, eos=eos, max_model_len=max_model_len,
+                                       priority=priority_rng.randint(-1, 2), arrival_time=step, **sp))
         if sched.requests and rng.random() < 0.05:
             rid = rng.choice(list(sched.requests))
             (req,) = sched.finish_requests([rid, "unknown"], RequestStatus.FINISHED_ABORTED)
@@ -516,3 +614,9 @@ def _random_case(seed: int) -> None:
 def test_randomized_invariants(chunk: int) -> None:
     for seed in range(chunk * 50, chunk * 50 + 50):
         _random_case(seed)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_randomized_invariants_priority(chunk: int) -> None:
+    for seed in range(chunk * 50, chunk * 50 + 50):
+        _random_case(seed, "priority")

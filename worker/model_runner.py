@@ -17,17 +17,24 @@ from torch import nn
 from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
+from tidal.worker.logits_processors import needs_output_history
 from tidal.worker.sampler import Sampler, SamplingMetadata, argmax, compute_prompt_logprobs
 
 
 def _plain_greedy(sp: SamplingParams) -> bool:
     """Greedy with nothing that changes or reports the logits: the sample is their argmax."""
-    return sp.sampling_type_greedy and sp.logprobs is None and not _reads_outputs(sp)
+    return (sp.sampling_type_greedy and sp.logprobs is None and not _reads_outputs(sp)
+            and not sp.uses_logits_processors)
 
 
 def _reads_outputs(sp: SamplingParams) -> bool:
     return bool(sp.min_tokens or sp.presence_penalty or sp.frequency_penalty
-                or sp.repetition_penalty != 1.0)
+                or sp.repetition_penalty != 1.0 or needs_output_history(sp))
+
+
+def _num_logprobs(k: int | None, vocab_size: int) -> int:
+    """Columns beyond the chosen token: -1 asks for the whole vocabulary."""
+    return vocab_size if k == -1 else k or 0
 
 
 @dataclass
@@ -54,13 +61,14 @@ class _Batch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, vocab_size: int, device: torch.device,
-                 is_driver: bool = True) -> None:
+                 is_driver: bool = True, logprobs_mode: str = "raw_logprobs") -> None:
         self.model = model
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         self.is_driver = is_driver  # only the driver (rank 0) samples and answers
         self.sampler = Sampler()
+        self.logprobs_mode = logprobs_mode  # EngineConfig.logprobs_mode: what sample logprobs report
         self.requests: dict[str, CachedRequestState] = {}
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
@@ -182,7 +190,7 @@ class ModelRunner:
                               else empty for st in states],
             positions=[len(st.token_ids) for st in states],
             eos_token_ids=[st.eos_token_id for st in states],
-            vocab_size=self.vocab_size, device=logits.device)
+            vocab_size=self.vocab_size, device=logits.device, logprobs_mode=self.logprobs_mode)
         result = self.sampler(logits, md)
         sampled = result.sampled_token_ids.tolist()
         for row, i in enumerate(batch.sample_rows):
@@ -192,8 +200,8 @@ class ModelRunner:
             lps = result.logprobs.logprobs.cpu().numpy()
             ranks = result.logprobs.ranks.cpu().numpy()
             for row, st in enumerate(states):
-                k = st.sampling_params.logprobs
-                if k is not None:
+                if st.sampling_params.logprobs is not None:
+                    k = _num_logprobs(st.sampling_params.logprobs, self.vocab_size)
                     out.logprobs[st.req_id] = LogprobsArrays(
                         token_ids[row: row + 1, : k + 1].copy(), lps[row: row + 1, : k + 1].copy(),
                         ranks[row: row + 1].copy())
@@ -205,6 +213,6 @@ class ModelRunner:
             targets = torch.tensor(st.token_ids[first_target: first_target + rows], dtype=torch.long,
                                    device=logits.device)
             lp = compute_prompt_logprobs(logits[offset: offset + rows], targets,
-                                         st.sampling_params.prompt_logprobs or 0)
+                                         _num_logprobs(st.sampling_params.prompt_logprobs, self.vocab_size))
             out.prompt_logprobs[req_id] = lp.to_arrays()
             offset += rows

@@ -1,5 +1,5 @@
-"""Batched sampler (vLLM V1 semantics): penalties, min_tokens, temperature, min-p/top-k/top-p,
-seeded draws, raw logprobs.
+"""Batched sampler (vLLM V1 semantics): allowed tokens, bad words, logit bias (logits_processors),
+min_tokens, penalties, temperature, min-p/top-k/top-p, seeded draws, logprobs in each logprobs_mode.
 
 * Determinism (DESIGN.md): a draw is a pure function of (seed, position) and the row's own
   logits: an exponential race `argmax(w / E)` with E ~ Exp(1) from a counter-based hash of
@@ -25,6 +25,7 @@ from torch import nn
 from tidal.protocol.messages import LogprobsArrays
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.protocol.utils import GREEDY_EPS
+from tidal.worker.logits_processors import Cutoffs, TokenRules, apply_penalties, processed_logits
 
 # Weights below 2^-100 of the row max are dropped (every row, so a draw never depends on its
 # batch): the per-row rescale by 1/omega then stays < 2^100 and float32 block sums cannot overflow.
@@ -88,12 +89,19 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None  # [B, Lmax] int64 padded with vocab_size
     output_token_ids: list[list[int]]  # per row, tokens generated so far
     min_tokens: dict[int, set[int]] = field(default_factory=dict)  # row -> ids forbidden now
-    max_num_logprobs: int | None = None  # max k over rows; None when no row wants logprobs
+    max_num_logprobs: int | None = None  # max k over rows (-1 counted as V); None when no row wants logprobs
+    token_rules: TokenRules | None = None  # allowed_token_ids, bad words, logit_bias (None: no row uses them)
+    logprobs_mode: str = "raw_logprobs"  # the engine's: raw_/processed_ logprobs/logits
+
+    @property
+    def plain(self) -> bool:
+        """No row's logits change before temperature: greedy rows are their argmax."""
+        return self.no_penalties and not self.min_tokens and self.token_rules is None
 
     @staticmethod
     def build(params: list[SamplingParams], prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
               positions: list[int], eos_token_ids: list[int | None], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingMetadata:
+              device: torch.device | str = "cpu", logprobs_mode: str = "raw_logprobs") -> SamplingMetadata:
         """From per-row inputs; knobs no row uses get no tensor (and cost the sampler nothing)."""
         greedy = [p.sampling_type_greedy for p in params]
 
@@ -119,7 +127,7 @@ class SamplingMetadata:
                  for p, e in zip(params, eos_token_ids)]
         min_tokens = {i: stops[i] for i, p in enumerate(params)
                       if len(output_token_ids[i]) < p.min_tokens and stops[i]}
-        ks = [p.logprobs for p in params if p.logprobs is not None]
+        ks = [vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
             temperature=torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
                                      dtype=torch.float32, device=device),
@@ -129,7 +137,8 @@ class SamplingMetadata:
             no_penalties=pres is None and freq is None and rep is None,
             presence_penalties=pres, frequency_penalties=freq, repetition_penalties=rep,
             prompt_token_ids=prompts, output_token_ids=output_token_ids, min_tokens=min_tokens,
-            max_num_logprobs=max(ks) if ks else None)
+            max_num_logprobs=max(ks) if ks else None,
+            token_rules=TokenRules.build(params, output_token_ids, device), logprobs_mode=logprobs_mode)
 
 
 @dataclass
@@ -209,11 +218,12 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top, idx.gather(1, pos)
 
 
-def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, k: int, out: torch.Tensor | None = None
-                 ) -> LogprobsTensors:
-    """Raw (unprocessed) logprobs; `out` [N, V] float32 is scratch (clobbered)."""
+def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                 as_logits: bool = False) -> LogprobsTensors:
+    """Logprobs of `logits` (or, as_logits, the logits themselves: the *_logits modes), their
+    top-k and the chosen tokens' ranks; `out` [N, V] float32 is scratch (clobbered)."""
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if out is None else out
-    lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
+    lp = out.copy_(logits) if as_logits else torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
     chosen_lp = lp.gather(1, chosen[:, None])
     ids, lps = chosen[:, None], chosen_lp
     if k > 0:
@@ -221,7 +231,8 @@ def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, k: int, out: torch.
         ids, lps = torch.cat([ids, top_ids], 1), torch.cat([lps, top_lp], 1)
     # rank = 1 + #(lp > chosen): strictly greater, so tied tokens share a rank. Counted in place
     # as sum(clamp(sign(lp - chosen), 0)): bool masks and their sums are slow on CPU.
-    ranks = lp.sub_(chosen_lp).sign_().clamp_(min=0).sum(-1).to(torch.int32) + 1
+    # Masked (-inf) entries count as lower; -inf - -inf (a masked chosen token) is NaN, counted as 0.
+    ranks = lp.sub_(chosen_lp).sign_().clamp_(min=0).nan_to_num_(0.0).sum(-1).to(torch.int32) + 1
     return LogprobsTensors(ids.to(torch.int32), lps, ranks)
 
 
@@ -250,16 +261,22 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         B, V = logits.shape
-        if md.all_greedy and md.no_penalties and not md.min_tokens:
-            tokens = argmax(logits)  # nothing to process: no copy
+        processed = md.max_num_logprobs is not None and md.logprobs_mode.startswith("processed")
+        values = logits  # what logprobs are computed from: the raw logits unless processed
+        if md.all_greedy and md.plain:
+            tokens = argmax(logits)  # nothing to process: no copy (and processed values are raw)
         else:
             x = self._buf("work", B, V, torch.float32, logits.device).copy_(logits)  # logits stay raw
-            self.apply_penalties(x, md)
-            tokens = self._sample(x, md)
+            self.apply_logits_processors(x, md)
+            kept = self._buf("processed", B, V, torch.float32, logits.device).copy_(x) if processed else None
+            tokens, cut = self._sample(x, md, cutoffs=processed)
+            if kept is not None:
+                values = processed_logits(kept, md.temperature, cut)
         if md.max_num_logprobs is None:
             return SamplerOutput(tokens, None)
         work = self._buf("work", B, V, torch.float32, logits.device)  # free again: reuse it
-        return SamplerOutput(tokens, _logprobs_of(logits, tokens, md.max_num_logprobs, work))
+        as_logits = md.logprobs_mode.endswith("logits")
+        return SamplerOutput(tokens, _logprobs_of(values, tokens, md.max_num_logprobs, work, as_logits))
 
     def _buf(self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A persistent [rows, cols] buffer. Fresh ones are zeroed; users of the zero-invariant
@@ -269,42 +286,28 @@ class Sampler(nn.Module):
             buf = self._bufs[name] = torch.zeros(rows * cols, dtype=dtype, device=device)
         return buf[: rows * cols].view(rows, cols)
 
+    def apply_logits_processors(self, x: torch.Tensor, md: SamplingMetadata) -> None:
+        """Everything before temperature, in vLLM's order, in place on x [B, V]: allowed tokens,
+        bad words, logit bias, then min_tokens and the penalties."""
+        if md.token_rules is not None:
+            md.token_rules.apply(x)
+        self.apply_penalties(x, md)
+
     def apply_penalties(self, x: torch.Tensor, md: SamplingMetadata) -> None:
         """min_tokens, repetition, frequency and presence penalties, in place on x [B, V]."""
         B, V = x.shape
-        if md.min_tokens:
-            rc = torch.tensor([(r, t) for r, ids in md.min_tokens.items() for t in ids], device=x.device)
-            x[rc[:, 0], rc[:, 1]] = float("-inf")
-        if md.no_penalties:
-            return
-        # Penalties touch only tokens seen in prompt/output: gather, edit, scatter back (no [B, V] pass).
-        rep, freq, pres = md.repetition_penalties, md.frequency_penalties, md.presence_penalties
-        width = max((len(o) for o in md.output_token_ids), default=0)
-        out = torch.tensor([o + [V] * (width - len(o)) for o in md.output_token_ids],
-                           dtype=torch.int64, device=x.device)
-        prompt = md.prompt_token_ids if rep is not None else None
-        idx = out if prompt is None else torch.cat([out, prompt.to(x.device)], 1)  # padded with V
-        if idx.shape[1] == 0:
-            return
-        # Padding then points at token 0. Every entry's new value is a function of its token
-        # alone (logit, count, presence), so duplicate writes to one token agree.
-        fixed = idx.masked_fill(idx >= V, 0)
-        g = x.gather(1, fixed)
-        if rep is not None:  # every real entry is present; padding is as present as token 0
-            present = (idx < V) | (idx == 0).any(-1, keepdim=True)
-            g = torch.where(present, torch.where(g > 0, g / rep[:, None], g * rep[:, None]), g)
-        if width and (freq is not None or pres is not None):
-            table = self._buf("count", B, V + 1, torch.int32, x.device)  # all-zero; column V: padding
-            c = table.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32)).gather(1, fixed).to(x.dtype)
-            table.scatter_(1, out, 0)  # back to all-zero, touching only what was written
-            g = g - (0 if freq is None else freq[:, None] * c)
-            g = g - (0 if pres is None else pres[:, None] * (c > 0).to(x.dtype))
-        x.scatter_(1, fixed, g)
+        apply_penalties(x, md, lambda: self._buf("count", B, V + 1, torch.int32, x.device))
 
     def random_weights(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
                        top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
         """Turns x [R, V] (random rows, penalties applied) IN PLACE into unnormalised sampling
         weights: temperature, then min-p, top-k, top-p (each on what the previous kept)."""
+        return self._weights_and_cutoffs(x, temperature, top_k, top_p, min_p)[0]
+
+    def _weights_and_cutoffs(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                             top_p: torch.Tensor | None, min_p: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`random_weights` and each row's weight cutoff omega [R] (weights below it dropped)."""
         R, V = x.shape
         # exp((x - max) / T) as exp2((x - max) * log2(e) / T): torch's exp2 is ~2x faster than its
         # exp on CPU. w in [0, 1] and the row max is exactly 1 (exp2(0)).
@@ -324,7 +327,7 @@ class Sampler(nn.Module):
             if top_p is not None:
                 omega = torch.maximum(omega, self._top_p_cutoff(w, vals, omega, top_p, has_k, min_p))
         w.div_(omega[:, None])
-        return F.threshold_(w, _BELOW_ONE, 0.0)
+        return F.threshold_(w, _BELOW_ONE, 0.0), omega
 
     def _top_p_cutoff(self, w: torch.Tensor, vals: torch.Tensor, omega: torch.Tensor, top_p: torch.Tensor,
                       has_k: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
@@ -364,31 +367,34 @@ class Sampler(nn.Module):
         """The distribution each row samples from [B, V], for tests/debugging (greedy rows: softmax of
         the penalised logits at temperature 1, whose argmax is their token)."""
         x = logits.to(torch.float32, copy=True)
-        self.apply_penalties(x, md)
+        self.apply_logits_processors(x, md)
         probs = torch.softmax(x, dim=-1)
         rows = (md.temperature >= GREEDY_EPS).nonzero().squeeze(1)
         if rows.numel():
-            w = self._weights_of_rows(x, md, rows)
+            w = self._weights_of_rows(x, md, rows)[0]
             probs[rows] = w / w.sum(-1, keepdim=True)
         return probs
 
-    def _sample(self, x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, x: torch.Tensor, md: SamplingMetadata, cutoffs: bool = False
+                ) -> tuple[torch.Tensor, Cutoffs | None]:
+        """Tokens [B]; with `cutoffs`, what truncation kept of the random rows (for the
+        processed logprobs modes)."""
         if md.all_greedy:  # no weights, no hashing
-            return argmax(x)
+            return argmax(x), None
         greedy = None if md.all_random else argmax(x)
         rows = None if md.all_random else (md.temperature >= GREEDY_EPS).nonzero().squeeze(1)
-        w = self._weights_of_rows(x, md, rows)  # greedy rows skip the random path
+        w, omega = self._weights_of_rows(x, md, rows)  # greedy rows skip the random path
         keys = row_keys(_take(md.seeds, rows), _take(md.positions, rows))  # type: ignore[arg-type]
         tokens = self.race(w, keys)
         if greedy is not None:
             greedy[rows] = tokens
-        return tokens if greedy is None else greedy
+        return tokens if greedy is None else greedy, (rows, w, omega) if cutoffs else None
 
     def _weights_of_rows(self, x: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None
-                         ) -> torch.Tensor:  # of a copy of `rows`, or of all of x in place (None)
+                         ) -> tuple[torch.Tensor, torch.Tensor]:  # of a copy of `rows`, or of x in place (None)
         t, k, p, m = (_take(v, rows) for v in (md.temperature, md.top_k, md.top_p, md.min_p))
         xr = x if rows is None else x.index_select(0, rows)
-        return self.random_weights(xr, t, k, p, m)  # type: ignore[arg-type]
+        return self._weights_and_cutoffs(xr, t, k, p, m)  # type: ignore[arg-type]
 
     def race(self, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Two-level exponential race over nonnegative weights w [R, V] -> token ids [R]."""

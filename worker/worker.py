@@ -82,7 +82,7 @@ class Worker:
         num_blocks = self._num_kv_blocks()
         self.model_runner = ModelRunner(self.model, block_size=cfg.block_size,
                                         vocab_size=hf_config.vocab_size, device=self.device,
-                                        is_driver=self.rank == 0)
+                                        is_driver=self.rank == 0, logprobs_mode=cfg.logprobs_mode)
         self.model_runner.bind_kv_cache(num_blocks, self.dtype)
         return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size)
 

@@ -1,0 +1,157 @@
+"""Logits processors of vLLM's SamplingParams, batched for the rows of one step: the token-level
+ones (allowed_token_ids, bad_words, logit_bias: vLLM applies them, in this order, first), then
+min_tokens and the penalties; and the processed logits the processed_* logprobs modes report.
+
+Every id here passed `check_request` (range-checked against the vocabulary in the core), so
+indexing cannot fail. A batch in which no row uses them builds nothing (`TokenRules.build`
+returns None) and the sampler skips them at no cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from tidal.protocol.sampling_params import SamplingParams
+from tidal.protocol.utils import GREEDY_EPS
+
+if TYPE_CHECKING:
+    from tidal.worker.sampler import SamplingMetadata
+
+
+def bad_words_banned_now(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> set[int]:
+    """Tokens a row may not sample next (vLLM's rule): a one-token bad word always; the last
+    token of a longer one when the output so far ends with the tokens before it."""
+    banned: set[int] = set()
+    n_out = len(output)
+    for seq in sequences:
+        head = len(seq) - 1
+        if head == 0 or (head <= n_out and list(output[n_out - head:]) == list(seq[:head])):
+            banned.add(seq[-1])
+    return banned
+
+
+def needs_output_history(params: SamplingParams) -> bool:
+    """Whether this row's token rules read the tokens it generated (multi-token bad words)."""
+    return any(len(seq) > 1 for seq in params.bad_words_token_ids or ())
+
+
+@dataclass
+class TokenRules:
+    """One step's masks and biases, as flat (row, token) index tensors."""
+
+    allowed_rows: torch.Tensor | None  # [R] rows that restrict their tokens
+    allowed_flat: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) of every allowed token
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) of bad-word tokens banned now
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token, value)
+
+    @staticmethod
+    def build(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+              device: torch.device | str = "cpu") -> TokenRules | None:
+        """None when no row uses allowed_token_ids, bad words or logit_bias."""
+        if not any(p.uses_logits_processors for p in params):
+            return None
+        allowed_rows: list[int] = []
+        allowed: tuple[list[int], list[int]] = ([], [])
+        banned: tuple[list[int], list[int]] = ([], [])
+        bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+        for row, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(row)
+                allowed[0].extend([row] * len(p.allowed_token_ids))
+                allowed[1].extend(p.allowed_token_ids)
+            if p.bad_words_token_ids:
+                ids = bad_words_banned_now(p.bad_words_token_ids, output_token_ids[row])
+                banned[0].extend([row] * len(ids))
+                banned[1].extend(ids)
+            if p.logit_bias:
+                bias[0].extend([row] * len(p.logit_bias))
+                bias[1].extend(p.logit_bias)
+                bias[2].extend(p.logit_bias.values())
+
+        def index(rows: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if not rows:
+                return None
+            return (torch.tensor(rows, dtype=torch.int64, device=device),
+                    torch.tensor(ids, dtype=torch.int64, device=device))
+
+        bias_index = index(bias[0], bias[1])
+        return TokenRules(
+            allowed_rows=torch.tensor(allowed_rows, dtype=torch.int64, device=device) if allowed_rows else None,
+            allowed_flat=index(*allowed), banned=index(*banned),
+            bias=None if bias_index is None else (*bias_index, torch.tensor(bias[2], dtype=torch.float32,
+                                                                            device=device)))
+
+    def apply(self, x: torch.Tensor) -> None:
+        """In place on the float32 logits x [B, V]: allowed-only, bad words, then logit bias."""
+        if self.allowed_rows is not None and self.allowed_flat is not None:
+            keep = x[self.allowed_flat]
+            x.index_fill_(0, self.allowed_rows, float("-inf"))
+            x[self.allowed_flat] = keep
+        if self.banned is not None:
+            x[self.banned] = float("-inf")
+        if self.bias is not None:
+            rows, ids, values = self.bias
+            x.index_put_((rows, ids), values.to(x.dtype), accumulate=True)
+
+
+def apply_penalties(x: torch.Tensor, md: SamplingMetadata,
+                    count_table: Callable[[], torch.Tensor]) -> None:
+    """min_tokens, repetition, frequency and presence penalties, in place on x [B, V].
+    `count_table()` is an all-zero int32 [B, V + 1] scratch table, left all-zero again."""
+    V = x.shape[1]
+    if md.min_tokens:
+        rc = torch.tensor([(r, t) for r, ids in md.min_tokens.items() for t in ids], device=x.device)
+        x[rc[:, 0], rc[:, 1]] = float("-inf")
+    if md.no_penalties:
+        return
+    # Penalties touch only tokens seen in prompt/output: gather, edit, scatter back (no [B, V] pass).
+    rep, freq, pres = md.repetition_penalties, md.frequency_penalties, md.presence_penalties
+    width = max((len(o) for o in md.output_token_ids), default=0)
+    out = torch.tensor([o + [V] * (width - len(o)) for o in md.output_token_ids],
+                       dtype=torch.int64, device=x.device)
+    prompt = md.prompt_token_ids if rep is not None else None
+    idx = out if prompt is None else torch.cat([out, prompt.to(x.device)], 1)  # padded with V
+    if idx.shape[1] == 0:
+        return
+    # Padding then points at token 0. Every entry's new value is a function of its token
+    # alone (logit, count, presence), so duplicate writes to one token agree.
+    fixed = idx.masked_fill(idx >= V, 0)
+    g = x.gather(1, fixed)
+    if rep is not None:  # every real entry is present; padding is as present as token 0
+        present = (idx < V) | (idx == 0).any(-1, keepdim=True)
+        g = torch.where(present, torch.where(g > 0, g / rep[:, None], g * rep[:, None]), g)
+    if width and (freq is not None or pres is not None):
+        table = count_table()  # column V: padding
+        c = table.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32)).gather(1, fixed).to(x.dtype)
+        table.scatter_(1, out, 0)  # back to all-zero, touching only what was written
+        g = g - (0 if freq is None else freq[:, None] * c)
+        g = g - (0 if pres is None else pres[:, None] * (c > 0).to(x.dtype))
+    x.scatter_(1, fixed, g)
+
+
+# What the random path's truncation kept: (rows sampled at random, None = all; their weights
+# [R, V] after truncation, 0 = dropped; their weight cutoffs [R]).
+Cutoffs = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]
+# Weight cutoff every row applies (the sampler's _WEIGHT_FLOOR): a cutoff above it means truncation.
+_FLOOR = 2.0**-100
+
+
+def processed_logits(x: torch.Tensor, temperature: torch.Tensor, cut: Cutoffs | None) -> torch.Tensor:
+    """vLLM's processed logits, in place on x [B, V] (the logits after masks, bias and penalties):
+    divided by the temperature (greedy rows: by 1) and -inf where min-p / top-k / top-p
+    dropped a token. Computed from the logits, not the weights, so that unlikely tokens keep
+    their finite value as in vLLM."""
+    x.div_(torch.where(temperature < GREEDY_EPS, 1.0, temperature).to(x.dtype)[:, None])
+    if cut is None:
+        return x
+    rows, w, omega = cut
+    truncated = omega > _FLOOR  # rows whose cutoff dropped tokens (the floor drops fewer)
+    if not bool(truncated.any()):
+        return x
+    dropped = (w == 0) & truncated[:, None]
+    if rows is None:
+        return x.masked_fill_(dropped, float("-inf"))
+    x[rows] = x[rows].masked_fill_(dropped, float("-inf"))
+    return x
