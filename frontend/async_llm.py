@@ -23,7 +23,7 @@ from typing import Any, AsyncGenerator, Callable, Iterable
 
 from tidal.frontend.core_client import AsyncMPClient
 from tidal.frontend.engine_args import AsyncEngineArgs
-from tidal.frontend.engine_setup import FrontEnd
+from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory
 from tidal.frontend.output_processor import RequestOutputCollector
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.config_views import ModelConfig
@@ -42,12 +42,6 @@ logger = logging.getLogger(__name__)
 _OUTPUT_SLICE = 128
 _YIELD_EVERY = _OUTPUT_SLICE
 _DRAIN_POLL_S = 0.01  # pause_generation(wait_for_inflight_requests=True) checks this often
-
-# vLLM's StatLoggerFactory: called with (vllm_config, engine_index); the logger it returns gets
-# record(scheduler_stats=..., iteration_stats=None, engine_idx=0) per step with stats and log()
-# from do_log_stats().
-StatLoggerFactory = Callable[[EngineConfig, int], Any]
-
 
 class AsyncLLM(FrontEnd[AsyncMPClient]):
     def __init__(self, model: str, *, stat_loggers: list[StatLoggerFactory] | None = None,
@@ -103,11 +97,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         self._ids = itertools.count()
         self._resumed: asyncio.Event | None = None  # set while paused; set() on resume
         self.log_requests = log_requests
-        self._start(config, AsyncMPClient)
-        self.stat_loggers: list[Any] = [make(self.vllm_config, 0) for make in stat_loggers or ()]
-        for stat_logger in self.stat_loggers:
-            if hasattr(stat_logger, "log_engine_initialized"):
-                stat_logger.log_engine_initialized()
+        self._start(config, AsyncMPClient, stat_loggers or ())
         # Weakly: the client's watcher thread must not keep this engine alive (and its __del__,
         # which shuts the core down, from ever running).
         ref = weakref.ref(self)
@@ -230,7 +220,9 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
             ids = [rid for rid, iid in self._running.items() if iid in wanted]
         internals = [self._running.pop(rid) for rid in ids if rid in self._running]
         if internals:
-            result = self.output_processor.finish_request_aborted(internals)
+            it = self._new_iteration()
+            result = self.output_processor.finish_request_aborted(internals, it)
+            self._record_iteration(None, it)
             self.engine_core.abort_requests(result.reqs_to_abort)
 
     # ------------------------------------------------------------ pause/resume
@@ -278,8 +270,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         try:
             while True:
                 outs = await client.get_output_async()
-                if outs.scheduler_stats is not None and self.stat_loggers:
-                    self._record_stats(outs.scheduler_stats)
+                it = self._new_iteration()  # one per core message, across its slices
                 outputs = outs.outputs
                 n = len(outputs)
                 for start in range(0, n, _OUTPUT_SLICE):
@@ -290,7 +281,8 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
                         await asyncio.sleep(0)
                     chunk = outputs if n <= _OUTPUT_SLICE else outputs[start:start + _OUTPUT_SLICE]
                     since_yield += len(chunk)
-                    self._process_outputs(chunk)  # into the requests' collectors
+                    self._process_outputs(chunk, outs.timestamp, it)  # into the requests' collectors
+                self._record_iteration(outs.scheduler_stats, it)
         except asyncio.CancelledError:
             raise
         except EngineDeadError:
@@ -298,15 +290,6 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         except Exception as e:
             logger.exception("AsyncLLM output handler failed")
             client.mark_dead(f"the front-end output handler failed: {type(e).__name__}: {e}")
-
-    def _record_stats(self, stats: SchedulerStats) -> None:
-        """Each stat logger's record(), as vLLM calls it once per engine step (tidal has no
-        per-iteration stats object: iteration_stats is None)."""
-        for stat_logger in self.stat_loggers:
-            try:
-                stat_logger.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
-            except Exception:
-                logger.exception("stat logger %r failed", stat_logger)
 
     def _in_loop(self, fn: Callable[[EngineDeadError], None], exc: EngineDeadError) -> None:
         """Run `fn(exc)` on the event loop's thread: now if this is it, else as soon as the loop
@@ -341,16 +324,11 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
     async def reset_prefix_cache(self) -> bool:
         return await self.call_utility_async("reset_prefix_cache")
 
-    async def do_log_stats(self) -> None:
-        """Log one line of the core's stats, then let each stat logger log()."""
-        s = await self.get_stats()
-        hit = 100 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        logger.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: "
-                    "%.1f%%, Prompt tokens: %d, Generation tokens: %d, Preemptions: %d",
-                    s.num_running_reqs, s.num_waiting_reqs, 100 * s.kv_cache_usage, hit,
-                    s.num_prompt_tokens, s.num_generation_tokens, s.num_preemptions)
-        for stat_logger in self.stat_loggers:
-            stat_logger.log()
+    async def do_log_stats(self, *args: Any) -> None:
+        """vLLM's: every stat logger logs now (the one-line summary, the user's loggers);
+        nothing with stats off."""
+        if self.metrics is not None:
+            self.metrics.log()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

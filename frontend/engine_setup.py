@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 from tidal.frontend.core_client import AsyncMPClient, InprocClient, SyncMPClient
 from tidal.frontend.input_processor import InputProcessor
+from tidal.frontend.metrics_stats import IterationStats, StatLoggerBase
 from tidal.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
 from tidal.protocol.config_views import ModelConfig, resolved_dtype_name
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tidal.protocol.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from tidal.frontend.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=InprocClient | SyncMPClient | AsyncMPClient)
+# vLLM's StatLoggerFactory: called with (vllm_config, engine_index); the logger it returns gets
+# record(scheduler_stats, iteration_stats) once per core message and log() with the summary.
+StatLoggerFactory = Callable[[EngineConfig, int], StatLoggerBase]
 
 
 class FrontEnd(Generic[C]):
@@ -31,10 +38,12 @@ class FrontEnd(Generic[C]):
     input_processor: InputProcessor
     output_processor: OutputProcessor
 
-    def _start(self, config: EngineConfig, make_client: Callable[[EngineConfig], C]) -> None:
+    def _start(self, config: EngineConfig, make_client: Callable[[EngineConfig], C],
+               stat_loggers: Sequence[StatLoggerFactory] = ()) -> None:
         """Check the model (a ValueError before any process starts), start the core client (the
         core loads its model while this process loads the tokenizer), wait for the core's
-        limits, and build the input/output processors on them."""
+        limits, and build the input/output processors on them; with stats on, the metrics
+        (vLLM's `stat_loggers` factories are called with (vllm_config, engine_index 0))."""
         if config.model and os.path.isdir(config.model):
             check_model_architecture(config.model)
             check_kv_cache_dtype(config)
@@ -51,6 +60,13 @@ class FrontEnd(Generic[C]):
         self.input_processor = InputProcessor(tokenizer, max_model_len=info.max_model_len,
                                               vocab_size=info.vocab_size, max_logprobs=config.max_logprobs)
         self.output_processor = OutputProcessor(tokenizer, log_stats=not config.disable_log_stats)
+        self.metrics: EngineMetrics | None = None
+        if not config.disable_log_stats:
+            from tidal.frontend.metrics import EngineMetrics  # prometheus_client only with stats on
+
+            self.metrics = EngineMetrics(
+                self.model_config.served_model_name or config.model, info.max_model_len,
+                stat_loggers=[make(self.vllm_config, 0) for make in stat_loggers])
         self._closed = False
 
     @property
@@ -80,10 +96,21 @@ class FrontEnd(Generic[C]):
         for req in self.output_processor.add_request(request, prompt, queue):
             self.engine_core.add_request(req)
 
-    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | Exception]:
-        """Process core outputs (see OutputProcessorOutput); the requests a stop string finished
-        here are aborted in the core, which has not finished them."""
-        processed = self.output_processor.process_outputs(outputs)
+    def _new_iteration(self) -> IterationStats | None:
+        """What one core message's outputs feed when stats are on (see _record_iteration)."""
+        return None if self.metrics is None else IterationStats()
+
+    def _record_iteration(self, scheduler_stats: SchedulerStats | None, it: IterationStats | None) -> None:
+        if self.metrics is not None and it is not None:
+            self.metrics.record(scheduler_stats, it)
+            self.metrics.maybe_log()
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float | None = None,
+                         it: IterationStats | None = None) -> list[RequestOutput | Exception]:
+        """Process core outputs (see OutputProcessorOutput) of the message stamped `timestamp`,
+        into `it` (stats on); the requests a stop string finished here are aborted in the core,
+        which has not finished them."""
+        processed = self.output_processor.process_outputs(outputs, timestamp, it)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

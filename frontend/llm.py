@@ -18,6 +18,7 @@ from tidal.frontend.beam_search import beam_search
 from tidal.frontend.core_client import InprocClient, SyncMPClient
 from tidal.frontend.engine_args import EngineArgs
 from tidal.frontend.engine_setup import FrontEnd
+from tidal.frontend.metrics_reader import Metric
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.beam_search import BeamSearchOutput, BeamSearchParams
@@ -58,6 +59,13 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.call_utility("get_stats")
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of every metric (Counter/Gauge/Histogram/Vector records named
+        `vllm:...`), counted since this LLM started; needs disable_log_stats=False."""
+        if self.metrics is None:
+            raise ValueError("metrics are recorded only with disable_log_stats=False")
+        return self.metrics.get_metrics()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's name); False if blocks are still in use."""
@@ -130,13 +138,15 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
                 outs = client.get_output(_OUTPUT_WAIT_S)
                 if outs is None or not outs.outputs:
                     continue
-                for out in self._process_outputs(outs.outputs):
+                it = self._new_iteration()
+                for out in self._process_outputs(outs.outputs, outs.timestamp, it):
                     if isinstance(out, Exception):
                         raise out if isinstance(out, EngineGenerateError) else EngineGenerateError(str(out))
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         if bar is not None:
                             bar.update(out)
+                self._record_iteration(outs.scheduler_stats, it)
         finally:
             if bar is not None:
                 bar.close()

@@ -11,12 +11,13 @@ import asyncio
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulator, TokenTexts
+from tidal.frontend.metrics_stats import IterationStats
 from tidal.frontend.parallel_sampling import ParentRequest
 from tidal.protocol.errors import EngineGenerateError
-from tidal.protocol.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tidal.protocol.outputs import CompletionOutput, RequestOutput, RequestStateStats
 from tidal.protocol.sampling_params import RequestOutputKind
 
@@ -24,7 +25,6 @@ _DELTA = RequestOutputKind.DELTA
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 _FINISH_STR = {r: str(r) for r in FinishReason}
 _STOP_STR = str(FinishReason.STOP)
-_QUEUED, _SCHEDULED = int(EngineCoreEventType.QUEUED), int(EngineCoreEventType.SCHEDULED)
 _NO_LOGPROBS: tuple[None, None] = (None, None)
 _MAX_AWAITING = 4096
 
@@ -103,7 +103,7 @@ class RequestState:
     logprobs, its stats; a subclass per output kind builds the completions (`_completion`)."""
 
     __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
-                 "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats",
+                 "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
                  "text", "text_parts", "token_ids")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
@@ -119,21 +119,23 @@ class RequestState:
                          if params.logprobs is not None or params.prompt_logprobs is not None else None)
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
+        self.max_tokens = params.max_tokens  # for the max-tokens histogram
         self.text = ""  # released text (CUMULATIVE)
         self.text_parts: list[str] = []  # released text (FINAL_ONLY: joined once)
         self.token_ids: list[int] = []  # all output ids (not kept for DELTA)
 
-    def update(self, out: EngineCoreOutput) -> CompletionOutput | None:
-        """Apply one core output; returns the completion to emit, if any. A finished completion
-        for an output the core did not finish was ended by a stop string, here."""
+    def update(self, out: EngineCoreOutput, step: "_Step | None" = None) -> CompletionOutput | None:
+        """Apply one core output (of the core message `step`, whose IterationStats it feeds when
+        stats are on); returns the completion to emit, if any. A finished completion for an
+        output the core did not finish was ended by a stop string, here."""
         new_ids, finish = out.new_token_ids, out.finish_reason
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
         text, stop_str = self.detokenizer.step(new_ids, finish)
         if self.logprobs is not None:
             self.logprobs.add(out)
-        if self.stats is not None:
-            _record_stats(self.stats, out)
+        if self.stats is not None and step is not None:
+            step.stats.update_from_output(out, step.timestamp, len(self.prompt_token_ids), self.stats)
         if stop_str is not None:
             return self._completion(text, new_ids, _STOP_STR, stop_str)
         if finish is None:
@@ -196,20 +198,11 @@ _STATE_CLASS: dict[RequestOutputKind, type[RequestState]] = {
     RequestOutputKind.CUMULATIVE: _CumulativeState, _DELTA: _DeltaState, _FINAL_ONLY: _FinalOnlyState}
 
 
-def _record_stats(stats: RequestStateStats, out: EngineCoreOutput) -> None:
-    """The core's events (monotonic stamps) and this process's receipt of new tokens."""
-    for event, ts in out.events or ():
-        if event == _QUEUED:
-            stats.queued_ts = ts
-        elif event == _SCHEDULED and not stats.scheduled_ts:  # the first time only
-            stats.scheduled_ts = ts
-    if out.new_token_ids:
-        now = time.monotonic()
-        if not stats.num_generation_tokens:
-            stats.first_token_ts = now
-            stats.first_token_latency = time.time() - stats.arrival_time
-        stats.last_token_ts = now
-        stats.num_generation_tokens += len(out.new_token_ids)
+class _Step(NamedTuple):
+    """One core message being processed with stats on: its IterationStats and timestamp."""
+
+    stats: IterationStats
+    timestamp: float
 
 
 @dataclass
@@ -248,8 +241,18 @@ class OutputProcessor:
                 req, prompt, parent, index, queue, self.tokenizer, self._token_texts, self.log_stats)
         return requests
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def _step(self, iteration_stats: IterationStats | None, timestamp: float | None) -> _Step | None:
+        if not self.log_stats:
+            return None
+        return _Step(IterationStats() if iteration_stats is None else iteration_stats,
+                     time.monotonic() if timestamp is None else timestamp)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], engine_core_timestamp: float | None = None,
+                        iteration_stats: IterationStats | None = None) -> OutputProcessorOutput:
+        """`engine_core_timestamp` (the message's) and `iteration_stats` (one per core message,
+        filled here, recorded by the caller) matter only with stats on."""
         result = OutputProcessorOutput()
+        step = self._step(iteration_stats, engine_core_timestamp)
         request_outputs, reqs_to_abort = result.request_outputs, result.reqs_to_abort
         states, awaiting = self.request_states, self._awaiting_final
         for out in outputs:
@@ -263,16 +266,18 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted, or unknown
             if out.finish_reason is not None and out.finish_reason == FinishReason.ERROR:
+                self._finished(state, "error", step)
                 self._drop(state)
                 exc = EngineGenerateError(out.error or f"request {state.external_req_id} failed")
                 exc.request_id = state.external_req_id  # type: ignore[attr-defined]
                 state.queue.put(exc) if state.queue is not None else request_outputs.append(exc)
                 continue
-            completion = state.update(out)
+            completion = state.update(out, step)
             if completion is None:
                 continue
             self._emit(state, completion, request_outputs)
             if completion.finish_reason is not None:
+                self._finished(state, completion.finish_reason, step)
                 if out.finish_reason is None:  # a stop string: the core has not finished it
                     reqs_to_abort.append(self._abort(state))
                 else:
@@ -294,6 +299,12 @@ class OutputProcessor:
         output = RequestOutput(state.external_req_id, state.prompt, state.prompt_token_ids,
                                plp, outs, finished, state.num_cached_tokens, metrics)
         state.queue.put(output) if state.queue is not None else request_outputs.append(output)
+
+    @staticmethod
+    def _finished(state: RequestState, reason: str, step: _Step | None) -> None:
+        if step is not None and state.stats is not None:
+            step.stats.update_from_finished_request(reason, len(state.prompt_token_ids), state.max_tokens,
+                                                    state.stats, state.num_cached_tokens)
 
     def _drop(self, state: RequestState) -> None:
         self.request_states.pop(state.request_id, None)
@@ -332,15 +343,18 @@ class OutputProcessor:
         Returns the ids the core must abort."""
         return [self._abort(state) for state in self._expand(request_ids)]
 
-    def finish_request_aborted(self, request_ids: Iterable[str]) -> OutputProcessorOutput:
+    def finish_request_aborted(self, request_ids: Iterable[str],
+                               iteration_stats: IterationStats | None = None) -> OutputProcessorOutput:
         """User abort(): end each stream normally, with finish_reason "abort" and the partial
         output (into its queue, else in request_outputs); reqs_to_abort lists the core's ids.
         The core's own ABORT output for them, if it comes, is then ignored."""
         result = OutputProcessorOutput()
+        step = self._step(iteration_stats, None)
         for state in self._expand(request_ids):
-            completion = state.update(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ABORT))
+            completion = state.update(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ABORT), step)
             if completion is not None:
                 self._emit(state, completion, result.request_outputs)
+            self._finished(state, "abort", step)
             result.reqs_to_abort.append(self._abort(state))
         return result
 

@@ -163,15 +163,16 @@ class CompletionOutput:
 @dataclass
 class RequestStateStats:
     """Per-request timings, with vLLM V1's names. `arrival_time` is wall-clock (time.time());
-    the `*_ts` stamps are time.monotonic() (the core's events and the front-end's receipt of
-    tokens, one clock on one host). Filled only when stats are on (disable_log_stats=False)."""
+    the `*_ts` stamps are the core's time.monotonic() (its events, and the timestamp of the step
+    message that carried the tokens, as vLLM V1). Filled only when stats are on
+    (disable_log_stats=False)."""
 
     arrival_time: float = 0.0
     queued_ts: float = 0.0  # the core queued the request
     scheduled_ts: float = 0.0  # first scheduled (admitted to the running batch)
-    first_token_ts: float = 0.0  # the front-end received the first generated token
+    first_token_ts: float = 0.0  # the step that produced the first generated token
     last_token_ts: float = 0.0  # ... and the latest one
-    first_token_latency: float = 0.0  # seconds from arrival to the first token
+    first_token_latency: float = 0.0  # seconds from arrival to the front-end's receipt of the first token
     num_generation_tokens: int = 0
 
 

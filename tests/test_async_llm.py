@@ -389,14 +389,17 @@ async def test_from_engine_args_stats_and_loggers(long_model_dir: str, caplog: p
     engine = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
     try:
         assert loggers[0].vllm_config.model_config.max_model_len == 2048 and loggers[0].engine_index == 0
-        with caplog.at_level(logging.INFO, logger="tidal.frontend.async_llm"):
+        with caplog.at_level(logging.INFO, logger="tidal"):
             outs = await collect(engine, "s0", "abc", SamplingParams(max_tokens=6, ignore_eos=True))
             await engine.do_log_stats()
         assert outs[-1].metrics is not None  # stats on: vLLM's EngineArgs default
         assert loggers[0].records and loggers[0].logs == 1
         assert max(s.num_generation_tokens for s in loggers[0].records) >= 6
         messages = [r.getMessage() for r in caplog.records]
-        assert "Added request s0." in messages and any("Generation tokens: 6" in m for m in messages)
+        assert "Added request s0." in messages
+        assert any("Avg generation throughput" in m and "Running: 0 reqs" in m for m in messages)
+        served = {m.name: m for m in engine.metrics.get_metrics() if not m.labels.get("finished_reason")}
+        assert served["vllm:generation_tokens"].value == 6
         assert (await engine.get_model_config()).max_model_len == 2048
         assert (await engine.get_tokenizer()) is engine.tokenizer
     finally:

@@ -250,3 +250,33 @@ def test_priority_reaches_the_core_request(long_model_dir: str) -> None:
             fcfs.generate(["a", "b"], priority=[0, 1], use_tqdm=False)
         assert not fcfs.output_processor.has_unfinished_requests()
         assert fcfs.get_stats().num_waiting_reqs == 0
+
+
+def test_get_metrics_counts_exactly_what_was_served(long_model_dir: str) -> None:
+    """vLLM's LLM.get_metrics(): counters equal the tokens served, one request_success per
+    request under its finish reason, one TTFT / e2e sample per request."""
+    from tidal.frontend.metrics_reader import Counter, Histogram
+
+    prompts = [{"prompt_token_ids": list(range(1, 1 + n))} for n in (5, 9, 17)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 7, 11)]
+    with LLM(model=long_model_dir, model_runner="null", max_model_len=2048, disable_log_stats=False) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        metrics = llm.get_metrics()
+    by_name: dict[str, list[Any]] = {}
+    for m in metrics:
+        by_name.setdefault(m.name, []).append(m)
+    counter = lambda name: sum(m.value for m in by_name[name] if isinstance(m, Counter))  # noqa: E731
+    assert counter("vllm:generation_tokens") == sum(len(o.outputs[0].token_ids) for o in outs) == 21
+    assert counter("vllm:prompt_tokens") == 5 + 9 + 17
+    success = {m.labels["finished_reason"]: m.value for m in by_name["vllm:request_success"]}
+    assert success["length"] == 3 and sum(success.values()) == 3
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        (hist,) = [m for m in by_name[name] if isinstance(m, Histogram)]
+        assert hist.count == 3
+    (itl,) = [m for m in by_name["vllm:inter_token_latency_seconds"] if isinstance(m, Histogram)]
+    assert itl.count == (3 - 1) + (7 - 1) + (11 - 1)  # one interval per token after the first
+
+
+def test_get_metrics_needs_stats(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="disable_log_stats=False"):
+        llm.get_metrics()
