@@ -28,8 +28,8 @@ from tidal.frontend.output_processor import RequestOutputCollector
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.config_views import ModelConfig
 from tidal.protocol.errors import EngineDeadError, EngineGenerateError
-from tidal.protocol.messages import SchedulerStats
-from tidal.protocol.outputs import RequestOutput
+from tidal.protocol.messages import EngineCoreRequest, SchedulerStats
+from tidal.protocol.outputs import CompletionOutput, RequestOutput
 from tidal.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         queue: RequestOutputCollector | None = None
         finished = False
         try:
-            queue = await self._add_request(internal, prompt, params, arrival_time,
+            queue = await self._add_request(request_id, internal, prompt, params, arrival_time,
                                             (priority, lora_request, data_parallel_rank))
             if self.log_requests:
                 logger.info("Added request %s.", request_id)
@@ -194,14 +194,20 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
             if self._running.get(request_id) == internal:
                 del self._running[request_id]
 
-    async def _add_request(self, internal: str, prompt: str | dict, params: SamplingParams,
+    async def _add_request(self, request_id: str, internal: str, prompt: str | dict, params: SamplingParams,
                            arrival_time: float | None,
                            options: tuple[int, Any, int | None]) -> RequestOutputCollector:
         # ValueError for bad input comes from here, before anything is queued.
         request, prompt_text = await self.input_processor.process_async(internal, prompt, params, arrival_time)
         self._apply_request_options(request, *options)
+        # A long prompt is tokenized off the loop: a pause or an abort may have come meanwhile.
+        # Not in flight yet, the request waits out a pause; an abort ends it without sending.
+        await self._wait_unpaused()
         self._check_alive()
         queue = RequestOutputCollector(params.output_kind)
+        if self._running.get(request_id) != internal:
+            queue.put(_aborted_before_sending(request, prompt_text))
+            return queue
         try:
             self._send(request, prompt_text, queue)
         except BaseException:
@@ -343,3 +349,9 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.shutdown()
+
+
+def _aborted_before_sending(request: EngineCoreRequest, prompt: str | None) -> RequestOutput:
+    """The one output of a request aborted before it reached the core: nothing generated."""
+    completions = [CompletionOutput(i, "", [], None, None, "abort") for i in range(request.sampling_params.n)]
+    return RequestOutput(request.request_id, prompt, request.prompt_token_ids, None, completions, True)

@@ -1,6 +1,7 @@
-"""`tidal` command line: generate | core | make-model.
+"""`tidal` command line: generate | serve | core | make-model.
 
     tidal generate [--model DIR] [--prompt TEXT] [--max-tokens N] [--temperature T] [--seed S] [engine args]
+    tidal serve [MODEL] [--host H] [--port P] [--api-key K] [--chat-template FILE] [engine args]
     tidal core MODEL [--address tcp://127.0.0.1:PORT | ipc:///path] [engine args]
     tidal make-model DIR [--arch qwen3|llama|qwen2|mistral] [--hidden-size ...] ...
 """
@@ -49,13 +50,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_loop(coro: "asyncio.Future[None] | object") -> None:
+def _run_loop(coro: asyncio.Future[None] | object) -> None:
     try:
         import uvloop
 
         uvloop.run(coro)  # type: ignore[arg-type]
     except ImportError:
         asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tidal.frontend.openai.api_server import run_server
+
+    logging.getLogger("tidal").setLevel(logging.INFO)  # the startup line and the stats log
+    _run_loop(run_server(args))
+    return 0
 
 
 def _cmd_core(args: argparse.Namespace) -> int:
@@ -93,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     # Engine flags: every vLLM engine arg plus tidal's (--core-address: a running `tidal core`).
     EngineArgs.add_cli_args(gen, exclude=frozenset({"model", "seed"}))
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (vLLM's `vllm serve`)")
+    from tidal.frontend.openai.cli_args import add_serve_args
+
+    add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     core = sub.add_parser("core", help="run a headless engine core that front-ends connect to")
     core.add_argument("model")

@@ -48,12 +48,16 @@ class FrontEnd(Generic[C]):
             check_model_architecture(config.model)
             check_kv_cache_dtype(config)
         client = make_client(config)
-        try:
-            tokenizer = load_tokenizer(config)
-            info = client.wait_ready()
+        try:  # whatever fails from here on, the core just started must not outlive it
+            self._build(config, client, stat_loggers)
         except BaseException:
             client.shutdown()
             raise
+        self._closed = False
+
+    def _build(self, config: EngineConfig, client: C, stat_loggers: Sequence[StatLoggerFactory]) -> None:
+        tokenizer = load_tokenizer(config)
+        info = client.wait_ready()
         self.config, self.engine_core, self.tokenizer, self.info = config, client, tokenizer, info
         # What the core resolved (context length, KV blocks) shows in the vLLM config views.
         self.vllm_config = config.replace(max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
@@ -67,7 +71,6 @@ class FrontEnd(Generic[C]):
             self.metrics = EngineMetrics(
                 self.model_config.served_model_name or config.model, info.max_model_len,
                 stat_loggers=[make(self.vllm_config, 0) for make in stat_loggers])
-        self._closed = False
 
     @property
     def model_config(self) -> ModelConfig:

@@ -36,6 +36,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_CPU_ONEDNN_GEMM": _flag("TIDAL_CPU_ONEDNN_GEMM", True),
     # auto (by device) | torch (the reference backend everywhere).
     "TIDAL_ATTENTION_BACKEND": lambda: os.environ.get("TIDAL_ATTENTION_BACKEND", "auto"),
+    # The key `tidal serve` requires as `Authorization: Bearer KEY` (--api-key wins; vLLM's VLLM_API_KEY).
+    "TIDAL_API_KEY": lambda: os.environ.get("TIDAL_API_KEY") or None,
     # The C compiler for the CPU kernels (None: cc or gcc on PATH).
     "CC": lambda: os.environ.get("CC") or None,
 }

@@ -136,6 +136,9 @@ def _keeps_unknown_kwargs(cls: type[_C]) -> type[_C]:
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not kwargs:  # the front-end's per-token path: positional only, nothing to sort
+            init(self, *args)
+            return
         extra = {k: kwargs.pop(k) for k in [k for k in kwargs if k not in known]}
         init(self, *args, **kwargs)
         for name, value in extra.items():

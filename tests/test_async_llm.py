@@ -338,6 +338,47 @@ async def test_pause_waiting_lets_inflight_requests_finish(engine: AsyncLLM) -> 
     await assert_clean(engine)
 
 
+async def _gated_tokenization(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold every request inside its (off-loop) tokenization until `release` is set."""
+    entered, release = asyncio.Event(), asyncio.Event()
+    original = engine.input_processor.process_async
+
+    async def gated(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await release.wait()
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.input_processor, "process_async", gated)
+    return entered, release
+
+
+async def test_abort_during_tokenization_sends_nothing(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    entered, release = await _gated_tokenization(engine, monkeypatch)
+    task = asyncio.create_task(collect(engine, "tk", "abc", SamplingParams(max_tokens=LONG, ignore_eos=True, n=2)))
+    await asyncio.wait_for(entered.wait(), 10)
+    await engine.abort("tk")
+    release.set()
+    outs = await asyncio.wait_for(task, 30)
+    assert len(outs) == 1 and outs[0].finished and outs[0].request_id == "tk"
+    assert [(c.finish_reason, c.token_ids) for c in outs[0].outputs] == [("abort", [])] * 2
+    await assert_clean(engine)
+
+
+async def test_pause_during_tokenization_holds_the_request(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    entered, release = await _gated_tokenization(engine, monkeypatch)
+    task = asyncio.create_task(collect(engine, "tp", "abc", SamplingParams(max_tokens=4, ignore_eos=True)))
+    await asyncio.wait_for(entered.wait(), 10)
+    await engine.pause_generation(wait_for_inflight_requests=True, clear_cache=False)
+    release.set()
+    for _ in range(20):  # tokenized now, it waits for resume instead of running while paused
+        await asyncio.sleep(0)
+    assert not task.done() and engine.get_num_unfinished_requests() == 0
+    await engine.resume_generation()
+    outs = await asyncio.wait_for(task, 30)
+    assert len(outs[-1].outputs[0].token_ids) == 4
+    await assert_clean(engine)
+
+
 async def test_request_options_and_abort_internal(engine: AsyncLLM) -> None:
     for kwargs, match in [(dict(priority=1), "Priority scheduling is not enabled"),
                           (dict(lora_request=object()), "LoRA"), (dict(data_parallel_rank=1), "data_parallel_rank")]:
@@ -413,3 +454,17 @@ async def test_from_engine_args_stats_and_loggers(long_model_dir: str, caplog: p
         assert outs[-1].metrics is None and engine.vllm_config.model_config.max_model_len == 1024
     finally:
         engine.shutdown()
+
+
+def test_failure_late_in_start_up_stops_the_core(long_model_dir: str) -> None:
+    """A stat logger factory that raises (the last step of start-up): the core it started is gone."""
+    from tidal.frontend import AsyncEngineArgs
+
+    def broken_factory(vllm_config: Any, engine_index: int) -> Any:
+        raise RuntimeError("broken stat logger")
+
+    before = {p.pid for p in core_children()}
+    args = AsyncEngineArgs(model=long_model_dir, model_runner="null", max_model_len=2048)
+    with pytest.raises(RuntimeError, match="broken stat logger"):
+        AsyncLLM.from_engine_args(args, stat_loggers=[broken_factory])
+    assert {p.pid for p in core_children()} <= before

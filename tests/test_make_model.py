@@ -62,6 +62,18 @@ def test_chat_template(model_dir: str) -> None:
     with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
         assert "<|im_start|>" in json.load(f)["chat_template"]
 
+    # as the server calls it (vLLM's way): the prompt a chat request becomes
+    hi = [{"role": "user", "content": "hi"}]
+    prompt = tok.apply_chat_template(hi, add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(hi, tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    # round trip: the markers are single special ids (<|im_start|> 1, <|im_end|> = EOS 2)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert ids.count(1) == 2 and ids.count(2) == 1 and ids[0] == 1
+    assert tok.decode(ids) == prompt
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n"
+    assert list(tok.apply_chat_template(hi, add_generation_prompt=True, return_dict=False)) == ids
+
 
 def test_checkpoint_files_and_configs(model_dir: str, tmp_path: Any) -> None:
     from transformers import AutoConfig, GenerationConfig

@@ -219,9 +219,10 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                 as_logits: bool = False) -> LogprobsTensors:
+                 as_logits: bool = False, masked: bool = False) -> LogprobsTensors:
     """Logprobs of `logits` (or, as_logits, the logits themselves: the *_logits modes), their
-    top-k and the chosen tokens' ranks; `out` [N, V] float32 is scratch (clobbered)."""
+    top-k and the chosen tokens' ranks; `out` [N, V] float32 is scratch (clobbered). `masked`:
+    entries may be -inf (the processed modes), the chosen token's too."""
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if out is None else out
     lp = out.copy_(logits) if as_logits else torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
     chosen_lp = lp.gather(1, chosen[:, None])
@@ -231,8 +232,10 @@ def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, k: int, out: torch.
         ids, lps = torch.cat([ids, top_ids], 1), torch.cat([lps, top_lp], 1)
     # rank = 1 + #(lp > chosen): strictly greater, so tied tokens share a rank. Counted in place
     # as sum(clamp(sign(lp - chosen), 0)): bool masks and their sums are slow on CPU.
-    # Masked (-inf) entries count as lower; -inf - -inf (a masked chosen token) is NaN, counted as 0.
-    ranks = lp.sub_(chosen_lp).sign_().clamp_(min=0).nan_to_num_(0.0).sum(-1).to(torch.int32) + 1
+    # Masked (-inf) entries count as lower; -inf - -inf (a masked chosen token) is NaN, counted as
+    # 0 (raw logits are finite: that full-vocabulary pass only where masks can be).
+    signs = lp.sub_(chosen_lp).sign_().clamp_(min=0)
+    ranks = (signs.nan_to_num_(0.0) if masked else signs).sum(-1).to(torch.int32) + 1
     return LogprobsTensors(ids.to(torch.int32), lps, ranks)
 
 
@@ -276,7 +279,7 @@ class Sampler(nn.Module):
             return SamplerOutput(tokens, None)
         work = self._buf("work", B, V, torch.float32, logits.device)  # free again: reuse it
         as_logits = md.logprobs_mode.endswith("logits")
-        return SamplerOutput(tokens, _logprobs_of(values, tokens, md.max_num_logprobs, work, as_logits))
+        return SamplerOutput(tokens, _logprobs_of(values, tokens, md.max_num_logprobs, work, as_logits, processed))
 
     def _buf(self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A persistent [rows, cols] buffer. Fresh ones are zeroed; users of the zero-invariant
@@ -298,16 +301,12 @@ class Sampler(nn.Module):
         B, V = x.shape
         apply_penalties(x, md, lambda: self._buf("count", B, V + 1, torch.int32, x.device))
 
-    def random_weights(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                       top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
-        """Turns x [R, V] (random rows, penalties applied) IN PLACE into unnormalised sampling
-        weights: temperature, then min-p, top-k, top-p (each on what the previous kept)."""
-        return self._weights_and_cutoffs(x, temperature, top_k, top_p, min_p)[0]
-
     def _weights_and_cutoffs(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
                              top_p: torch.Tensor | None, min_p: torch.Tensor | None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`random_weights` and each row's weight cutoff omega [R] (weights below it dropped)."""
+        """Turns x [R, V] (random rows, penalties applied) IN PLACE into unnormalised sampling
+        weights (temperature, then min-p, top-k, top-p, each on what the previous kept), and
+        returns them with each row's weight cutoff omega [R] (weights below it dropped)."""
         R, V = x.shape
         # exp((x - max) / T) as exp2((x - max) * log2(e) / T): torch's exp2 is ~2x faster than its
         # exp on CPU. w in [0, 1] and the row max is exactly 1 (exp2(0)).

@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP server behind `tidal serve` (vLLM's api_server.py): the app, its
+routes, the API key and body-size guards, and the server's life cycle.
+
+Stack, and why: Starlette on uvicorn, with uvloop as the event loop and httptools as the HTTP
+parser (uvicorn's fastest pairing, both C-backed). Starlette is the ASGI toolkit FastAPI is
+built on; FastAPI's additions are pydantic validation and OpenAPI docs, and this server decodes
+requests with msgspec into the same kind of typed Structs it encodes responses from (one schema
+library, several times faster than pydantic + json.dumps on the per-token path), so Starlette's
+routing, exception handlers, lifespan and `StreamingResponse` (which watches for the client's
+disconnect while streaming) are all it needs. uvicorn does the graceful shutdown: it stops
+accepting, waits up to `timeout_graceful_shutdown` for in-flight requests, then cancels them
+(cancelling a request's generate() stream aborts it in the core) and runs the lifespan exit,
+which shuts the engine down. Metrics are prometheus_client's text exposition.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+import prometheus_client
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+from tidal import __version__
+from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend.engine_args import AsyncEngineArgs
+from tidal.frontend.openai.cli_args import load_chat_template
+from tidal.frontend.openai.errors import APIError, from_exception
+from tidal.frontend.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from tidal.frontend.openai.serving_base import ClientGone, ServingContext
+from tidal.frontend.openai.serving_chat import ChatHandler, render_chat
+from tidal.frontend.openai.serving_completions import CompletionsHandler
+from tidal.protocol import envs
+from tidal.protocol.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed (probes and scrapers)
+STATS_LOG_INTERVAL_S = 10.0
+_JSON = "application/json"
+
+
+def json_response(obj: msgspec.Struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type=_JSON)
+
+
+def error_response(e: APIError) -> Response:
+    return Response(e.encode(), status_code=int(e.status), media_type=_JSON)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on every path but OPEN_PATHS, compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, b"Bearer " + api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if path in OPEN_PATHS or hmac.compare_digest(got, self.expected):
+            return await self.app(scope, receive, send)
+        err = APIError("Unauthorized: a missing or wrong API key (send 'Authorization: Bearer KEY')",
+                       HTTPStatus.UNAUTHORIZED)
+        await error_response(err)(scope, receive, send)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 once it is known to exceed `limit` (by Content-Length, or while read)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(f"Request body exceeds the limit of {limit} bytes (--max-request-body-bytes)",
+                         HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+Handler = Callable[[Any, Request], Awaitable[Response]]
+
+
+def json_endpoint(handler: Handler, request_type: type, limit: int) -> Callable[[Request], Awaitable[Response]]:
+    """A POST route: body (size-checked) -> typed request -> handler; every failure an APIError."""
+    decoder = msgspec.json.Decoder(request_type)
+
+    async def endpoint(request: Request) -> Response:
+        body = await read_body(request, limit)
+        try:
+            return await handler(decoder.decode(body), request)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: the client went away
+        except Exception as e:
+            raise from_exception(e) from None
+
+    return endpoint
+
+
+class Routes:
+    """The GET routes and the small POST ones (tokenize, detokenize)."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await self.ctx.engine.check_health()
+        except EngineDeadError as e:
+            return error_response(from_exception(e))
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        m = self.ctx.engine.metrics
+        body = prometheus_client.generate_latest(m.registry) if m is not None else b""
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    async def version(self, request: Request) -> Response:
+        return json_response(VersionResponse(__version__))
+
+    async def models(self, request: Request) -> Response:
+        ctx = self.ctx
+        return json_response(ModelList(data=[
+            ModelCard(id=name, created=_started_at(), root=ctx.model_path, max_model_len=ctx.max_model_len)
+            for name in ctx.served_names]))
+
+    async def tokenize(self, req: TokenizeRequest, request: Request) -> Response:
+        ctx = self.ctx
+        ctx.model_name(req.model)
+        tok = ctx.needs_tokenizer()
+        if req.messages is not None:
+            text = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
+            special = bool(req.add_special_tokens)
+        elif req.prompt is not None:
+            text, special = req.prompt, req.add_special_tokens is not False
+        else:
+            raise APIError("/tokenize needs 'prompt' or 'messages'", HTTPStatus.BAD_REQUEST, "prompt")
+        ids = await ctx.encode(text, special)
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return json_response(TokenizeResponse(len(ids), ctx.max_model_len, ids, strs))
+
+    async def detokenize(self, req: DetokenizeRequest, request: Request) -> Response:
+        ctx = self.ctx
+        ctx.model_name(req.model)
+        tok = ctx.needs_tokenizer()
+        vocab = len(tok)
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise APIError(f"token ids {bad[:8]} are out of the vocabulary range [0, {vocab})",
+                           HTTPStatus.BAD_REQUEST, "tokens")
+        return json_response(DetokenizeResponse(tok.decode(req.tokens)))
+
+
+_START = [0]
+
+
+def _started_at() -> int:
+    """When this server started (the `created` of its model cards)."""
+    if not _START[0]:
+        _START[0] = int(time.time())
+    return _START[0]
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    status = HTTPStatus(exc.status_code)
+    message = f"{status.phrase}: {request.method} {request.url.path}"
+    return error_response(APIError(message, status))
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc if isinstance(exc, APIError) else from_exception(exc))
+
+
+async def _log_stats(engine: AsyncLLM, interval: float) -> None:
+    """vLLM's periodic stats line (INFO while busy, DEBUG when idle)."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await engine.do_log_stats()
+        except Exception as e:
+            logger.debug("stats log failed: %s", e)
+
+
+def build_app(ctx: ServingContext, *, api_key: str | None = None, max_body_bytes: int = 32 << 20,
+              stats_interval: float = STATS_LOG_INTERVAL_S) -> Starlette:
+    routes = Routes(ctx)
+    completions, chat = CompletionsHandler(ctx), ChatHandler(ctx)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        _started_at()
+        stats = asyncio.create_task(_log_stats(ctx.engine, stats_interval))
+        try:
+            yield
+        finally:
+            stats.cancel()
+            ctx.engine.shutdown()  # aborts what is left, stops the core and its workers
+
+    app = Starlette(routes=[
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.metrics, methods=["GET"]),
+        Route("/version", routes.version, methods=["GET"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/v1/completions", json_endpoint(completions, CompletionRequest, max_body_bytes), methods=["POST"]),
+        Route("/v1/chat/completions", json_endpoint(chat, ChatCompletionRequest, max_body_bytes),
+              methods=["POST"]),
+        Route("/tokenize", json_endpoint(routes.tokenize, TokenizeRequest, max_body_bytes), methods=["POST"]),
+        Route("/detokenize", json_endpoint(routes.detokenize, DetokenizeRequest, max_body_bytes),
+              methods=["POST"]),
+    ], exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _api_error},
+        lifespan=lifespan)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with SIGINT/SIGTERM handled on the loop. uvicorn's own handling re-raises
+    the signal once serve() returns, which would end the process by the signal instead of a clean
+    exit 0 after the engine was shut down."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+
+def engine_args_from(args: Any) -> AsyncEngineArgs:
+    """The engine args of `tidal serve`'s flags, the model resolved (the positional, --model, or
+    the embedded default model)."""
+    model = args.model or args.model_flag
+    if model is None:
+        from tidal.frontend.make_model import ensure_default_model
+
+        model = ensure_default_model()
+        logger.warning("no model given, so this serves tidal's embedded default model (%s); its "
+                       "weights are random: its text is gibberish", model)
+    return AsyncEngineArgs.from_cli_args(args).replace(model=model)
+
+
+def served_names(engine_args: AsyncEngineArgs) -> list[str]:
+    names = engine_args.served_model_name
+    if isinstance(names, str):
+        names = [names]
+    return list(names) if names else [engine_args.model]
+
+
+async def run_server(args: Any) -> None:
+    """Start the engine, serve until SIGINT/SIGTERM, shut everything down."""
+    template = load_chat_template(args.chat_template)
+    engine_args = engine_args_from(args)
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        ctx = ServingContext(engine, served_names(engine_args), template)
+        app = build_app(ctx, api_key=args.api_key or envs.TIDAL_API_KEY, max_body_bytes=args.max_request_body_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, http="httptools", lifespan="on",
+                                log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                                timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path or "")
+        logger.info("tidal serve: %s as %s on http://%s:%d", engine_args.model, ctx.served_names[0],
+                    args.host, args.port)
+        await GracefulServer(config).serve()
+    finally:
+        engine.shutdown()

@@ -1,0 +1,251 @@
+"""Request and response schemas of the OpenAI-compatible server, as msgspec Structs.
+
+Requests are decoded straight into typed Structs (`msgspec.json.decode(body, type=...)`):
+unknown fields are ignored, as OpenAI clients send fields this server does not know, and a
+wrong type is a 400 naming the field. Responses and stream chunks are Structs too, encoded by
+msgspec without building Python dicts per token. Field names and order follow vLLM's
+protocol.py (OpenAI's names plus vLLM's extras, e.g. `stop_reason`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# ----------------------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """What both generation endpoints take: OpenAI's fields and vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: one JSON-array type in a msgspec union,
+    # so the list forms are told apart by `completion_prompts`.
+    prompt: str | list[Any] | None = None
+    max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    add_special_tokens: bool = True
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes the special tokens itself
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class CompletionLogProbs(msgspec.Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobContent(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprobContent] | None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | None
+    tool_calls: list[Any] = msgspec.field(default_factory=list)
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    """Only the fields a chunk sets (the first of a choice: the role, then content)."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class StreamHeader(msgspec.Struct):
+    """A stream's constant leading fields; its chunks are this header's JSON (less the closing
+    brace) + the choice + the tail, so only the choice is encoded per chunk."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class UsageChunk(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]
+    usage: UsageInfo
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "tidal"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str

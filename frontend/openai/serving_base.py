@@ -1,0 +1,266 @@
+"""What the completions and chat endpoints share: the served model's names and limits,
+tokenizing a prompt and checking it against the context window, building SamplingParams from a
+request, the SSE framing, and running a handler until the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend.openai.errors import APIError, ErrorResponse, from_exception
+from tidal.frontend.openai.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingFields,
+    StreamHeader,
+)
+from tidal.protocol.outputs import RequestOutput
+from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+# Longer prompts (characters) are tokenized in a worker thread, so the loop keeps serving.
+_THREAD_TOKENIZE_CHARS = 2000
+_encode = msgspec.json.encode
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose body generator is closed as soon as the response ends: Starlette
+    cancels the sending task on a client disconnect, which may leave the generator suspended
+    at a `yield`; closing it here aborts its requests now, not when it is garbage-collected."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ServingContext:
+    """The engine and what every endpoint reads about the model it serves."""
+
+    def __init__(self, engine: AsyncLLM, served_names: Sequence[str], chat_template: str | None) -> None:
+        self.engine = engine
+        self.tokenizer: Any = engine.tokenizer
+        self.served_names = list(served_names)
+        self.model_path: str = engine.config.model
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.chat_template = chat_template
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to report; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.served_names[0]
+        if requested in self.served_names:
+            return requested
+        raise APIError(f"The model `{requested}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+
+    def needs_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError("this endpoint needs a tokenizer (the server runs with skip_tokenizer_init)")
+        return self.tokenizer
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        tok = self.needs_tokenizer()
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+        return list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, truncate: int | None) -> int | None:
+        """max_tokens for the engine: as asked, or what the context window leaves (None);
+        400 with vLLM's message when prompt + max_tokens does not fit."""
+        max_len = self.max_model_len
+        if max_tokens is None or prompt_len >= max_len:
+            return max_tokens  # the engine names an over-long prompt itself
+        if truncate is None and prompt_len + max_tokens > max_len:
+            raise APIError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                f"maximum context length is {max_len} tokens and your request has {prompt_len} input "
+                f"tokens ({max_tokens} > {max_len} - {prompt_len}).", HTTPStatus.BAD_REQUEST, "max_tokens")
+        return max_tokens
+
+
+def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens as vLLM: the last `keep` tokens (-1: max_model_len)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1 or keep > max_model_len:
+        raise APIError(f"truncate_prompt_tokens must be -1 or in [1, max_model_len={max_model_len}], "
+                       f"got {keep}", HTTPStatus.BAD_REQUEST, "truncate_prompt_tokens")
+    return ids[-keep:]
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams (ValueError, i.e. 400, for a value out of range);
+    DELTA output when streamed, else FINAL_ONLY."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError("`prompt_logprobs` are not available when `stream=True`.",
+                       HTTPStatus.BAD_REQUEST, "prompt_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.",
+                       HTTPStatus.BAD_REQUEST, "stream_options")
+    return SamplingParams.from_optional(
+        n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, temperature=req.temperature, top_p=req.top_p,
+        top_k=0 if req.top_k is None else req.top_k, min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, bad_words=req.bad_words,
+        include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids)
+
+
+def include_usage(req: SamplingFields) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def stream_framing(obj: str, request_id: str, model: str, with_usage: bool) -> tuple[bytes, bytes]:
+    """(prefix, suffix) around a chunk's encoded choice: `data: {"id":...,"choices":[` and
+    `]}` (`],"usage":null}` when the stream ends with a usage chunk, as OpenAI's)."""
+    header = _encode(StreamHeader(request_id, obj, int(time.time()), model))
+    prefix = b"data: " + header[:-1] + b',"choices":['
+    return prefix, (b'],"usage":null}\n\n' if with_usage else b"]}\n\n")
+
+
+def sse(obj: msgspec.Struct) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def sse_error(e: BaseException) -> bytes:
+    """An error after the stream started: one `data: {"error": ...}` event (vLLM's way)."""
+    error: ErrorResponse = from_exception(e).to_response()
+    return sse(error)
+
+
+def prompt_logprobs_out(out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs: per prompt position, token id -> {logprob, rank, decoded_token}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if not pos else {t: PromptLogprob(max(lp.logprob, -9999.0), lp.rank, lp.decoded_token)
+                                  for t, lp in pos.items()}
+            for pos in out.prompt_logprobs]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone once the client disconnects first: then `work` is
+    cancelled, which closes its generate() streams and so aborts the requests in the core."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down: end the work with it
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass
+    raise ClientGone()
+
+
+async def primed(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    """The first output and the stream: a request the engine refuses raises here (ValueError
+    before anything is queued), so it is answered with a 400 status, not inside a 200 stream."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        raise APIError("the engine returned no output", HTTPStatus.INTERNAL_SERVER_ERROR) from None
+    return first, gen
+
+
+async def gather_all(works: Sequence[Awaitable[T]]) -> list[T]:
+    """All results; on the first failure the others are cancelled (their requests aborted)."""
+    if len(works) == 1:
+        return [await works[0]]
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The one output of a FINAL_ONLY stream."""
+    final = None
+    async for out in gen:
+        final = out
+    if final is None:
+        raise APIError("the engine returned no output", HTTPStatus.INTERNAL_SERVER_ERROR)
+    return final
+
+
+async def merged(streams: Sequence[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several primed streams as they come; one stream (the usual
+    case) is passed through without tasks. Closing this closes (aborts) every stream."""
+    if len(streams) == 1:
+        first, gen = streams[0]
+        try:
+            yield 0, first
+            async for out in gen:
+                yield 0, out
+        finally:
+            await gen.aclose()  # aborts the request if the client left mid-stream
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            queue.put_nowait((i, first))
+            async for out in gen:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, f, g)) for i, (f, g) in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

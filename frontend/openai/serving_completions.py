@@ -1,0 +1,216 @@
+"""POST /v1/completions (vLLM's serving_completion.py): prompts as a string, a list of strings,
+token ids or a list of token-id lists; `echo`; integer `logprobs`; streamed or not.
+
+Choice `index` is `prompt index * n + completion index`, as in vLLM and OpenAI.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from tidal.frontend.openai.errors import APIError
+from tidal.frontend.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    UsageChunk,
+    UsageInfo,
+)
+from tidal.frontend.openai.serving_base import (
+    DONE,
+    ServingContext,
+    SSEResponse,
+    final_output,
+    gather_all,
+    include_usage,
+    merged,
+    new_id,
+    primed,
+    prompt_logprobs_out,
+    sampling_params,
+    sse,
+    sse_error,
+    stream_framing,
+    truncated,
+    until_disconnect,
+)
+from tidal.protocol.outputs import CompletionOutput, RequestOutput
+
+_encode = msgspec.json.encode
+Prompt = tuple[str | None, list[int]]  # (text, token ids)
+
+
+async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
+    """The request's prompts, tokenized (text kept for echo and RequestOutput.prompt)."""
+    p = req.prompt
+    if p is None or p == "" or p == []:
+        raise APIError("Either prompt or prompt_embeds must be provided and non-empty.",
+                       HTTPStatus.BAD_REQUEST, "prompt")
+    if isinstance(p, str):
+        return [(p, await ctx.encode(p, req.add_special_tokens))]
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return [(None, list(p))]
+    prompts: list[Prompt] = []
+    for item in p:
+        if isinstance(item, str):
+            prompts.append((item, await ctx.encode(item, req.add_special_tokens)))
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            prompts.append((None, item))
+        else:
+            raise APIError("prompt must be a string, a list of strings, a list of token ids or a list "
+                           "of token-id lists", HTTPStatus.BAD_REQUEST, "prompt")
+    return prompts
+
+
+def _logprob_params(req: CompletionRequest) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs) for the engine: echo with logprobs wants the prompt's too."""
+    prompt_lps = req.prompt_logprobs
+    if prompt_lps is None and req.echo and req.logprobs is not None:
+        prompt_lps = req.logprobs
+    return req.logprobs, prompt_lps
+
+
+class LogprobsBuilder:
+    """OpenAI's completion logprobs (vLLM's _create_completion_logprobs): per token its text,
+    logprob, the top `k` (plus the chosen one) by text, and its character offset in the text."""
+
+    def __init__(self, tokenizer: Any, k: int) -> None:
+        self.tokenizer, self.k = tokenizer, k
+
+    def _text(self, token_id: int, decoded: str | None) -> str:
+        if decoded is not None:
+            return decoded
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def build(self, token_ids: list[int], positions: Any, offset: int) -> CompletionLogProbs:
+        lps = CompletionLogProbs([], [], [], [])
+        k = self.k
+        for token_id, pos in zip(token_ids, positions):
+            if not pos:  # the first prompt position: nothing precedes it
+                text = self._text(token_id, None)
+                lps.token_logprobs.append(None)
+                lps.top_logprobs.append(None)
+            else:
+                chosen = pos.get(token_id)
+                text = self._text(token_id, chosen.decoded_token if chosen is not None else None)
+                lps.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen is not None else None)
+                lps.top_logprobs.append({self._text(t, lp.decoded_token): max(lp.logprob, -9999.0)
+                                         for j, (t, lp) in enumerate(pos.items()) if j <= k})
+            lps.tokens.append(text)
+            lps.text_offset.append(offset)
+            offset += len(text)
+        return lps
+
+
+class CompletionsHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def __call__(self, req: CompletionRequest, request: Request) -> Response:
+        ctx = self.ctx
+        model = ctx.model_name(req.model)
+        if req.suffix:
+            raise APIError("suffix is not supported", HTTPStatus.BAD_REQUEST, "suffix")
+        prompts = await completion_prompts(ctx, req)
+        logprobs, prompt_lps = _logprob_params(req)
+        rid = new_id("cmpl")
+        gens = []
+        for i, (text, ids) in enumerate(prompts):
+            ids = truncated(ids, req.truncate_prompt_tokens, ctx.max_model_len)
+            max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, None)
+            params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_lps)
+            gens.append(ctx.engine.generate({"prompt": text, "prompt_token_ids": ids}, params,
+                                            f"{rid}-{i}", priority=req.priority))
+        if req.stream:
+            streams = await until_disconnect(request, gather_all([primed(g) for g in gens]))
+            return SSEResponse(self._stream(req, rid, model, streams))
+        finals = await until_disconnect(request, gather_all([final_output(g) for g in gens]))
+        return Response(_encode(self._response(req, rid, model, finals)), media_type="application/json")
+
+    # --------------------------------------------------------------------- whole
+    def _response(self, req: CompletionRequest, rid: str, model: str,
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0)
+        choices, usage = [], UsageInfo()
+        for i, final in enumerate(finals):
+            usage.prompt_tokens += len(final.prompt_token_ids)
+            for o in final.outputs:
+                usage.completion_tokens += len(o.token_ids)
+                choices.append(self._choice(req, builder, i * req.n + o.index, final, o))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=rid, created=int(time.time()), model=model, choices=choices, usage=usage)
+
+    def _choice(self, req: CompletionRequest, builder: LogprobsBuilder, index: int, final: RequestOutput,
+                o: CompletionOutput) -> CompletionChoice:
+        text, logprobs = o.text, None
+        prompt_text = self._prompt_text(final) if req.echo else ""
+        if req.logprobs is not None:
+            logprobs = builder.build(o.token_ids, o.logprobs or [], len(prompt_text))
+            if req.echo and final.prompt_logprobs is not None:
+                head = builder.build(final.prompt_token_ids, final.prompt_logprobs, 0)
+                logprobs = _concat(head, logprobs)
+        return CompletionChoice(index, prompt_text + text, logprobs, o.finish_reason, o.stop_reason,
+                                prompt_logprobs_out(final) if req.prompt_logprobs is not None else None)
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.ctx.tokenizer
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    # ------------------------------------------------------------------- streamed
+    async def _stream(self, req: CompletionRequest, rid: str, model: str,
+                      streams: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]) -> AsyncIterator[bytes]:
+        with_usage = include_usage(req)
+        prefix, suffix = stream_framing("text_completion", rid, model, with_usage)
+        builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0)
+        offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
+        seen_prompts: set[int] = set()
+        prompt_tokens = completion_tokens = 0
+        outputs = merged(streams)
+        try:
+            async for i, out in outputs:
+                for o in out.outputs:
+                    index = i * req.n + o.index
+                    completion_tokens += len(o.token_ids)
+                    if i not in seen_prompts:
+                        seen_prompts.add(i)
+                        prompt_tokens += len(out.prompt_token_ids)
+                    first = index not in offsets  # this choice's first chunk
+                    if first:
+                        offsets[index] = 0
+                    choice = self._chunk(req, builder, index, out, o, offsets, first and req.echo)
+                    yield prefix + _encode(choice) + suffix
+            if with_usage:
+                usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+                yield sse(UsageChunk(rid, "text_completion", int(time.time()), model, [], usage))
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        yield DONE
+
+    def _chunk(self, req: CompletionRequest, builder: LogprobsBuilder, index: int, out: RequestOutput,
+               o: CompletionOutput, offsets: dict[int, int], echo: bool) -> CompletionStreamChoice:
+        text, logprobs = o.text, None
+        offset = offsets[index]
+        if echo:
+            text = self._prompt_text(out) + text
+        if req.logprobs is not None:
+            logprobs = builder.build(o.token_ids, o.logprobs or [], offset + (len(text) - len(o.text)))
+            if echo and out.prompt_logprobs is not None:
+                logprobs = _concat(builder.build(out.prompt_token_ids, out.prompt_logprobs, offset), logprobs)
+        offsets[index] = offset + len(text)
+        return CompletionStreamChoice(index, text, logprobs, o.finish_reason, o.stop_reason)
+
+
+def _concat(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(a.text_offset + b.text_offset, a.token_logprobs + b.token_logprobs,
+                              a.tokens + b.tokens, a.top_logprobs + b.top_logprobs)

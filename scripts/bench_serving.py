@@ -1,0 +1,328 @@
+"""Online serving benchmark in the manner of `vllm bench serve`, with an offline reference.
+
+    python scripts/bench_serving.py [--model DIR] [--num-prompts 64] [--request-rate inf]
+        [--random-input-len 256] [--random-output-len 64] [--random-range-ratio 0.0] [engine args]
+
+Starts `tidal serve DIR [engine args]` on 127.0.0.1 (a free port), waits for /health, sends a
+warm-up request, then `--num-prompts` streamed /v1/completions requests (random token-id
+prompts, ignore_eos) arriving as a Poisson process at `--request-rate` (inf: all at once), and
+prints vLLM's figures. The server is then stopped and reaped, the same workload runs through
+`LLM.generate` with the same engine args, and the last line is server tok/s / LLM.generate's.
+As vLLM: TTFT = first chunk - send; ITL = gaps between chunks; TPOT = (latency - TTFT) /
+(output tokens - 1); output tokens = usage.completion_tokens. Defaults suit a small CPU box
+(vLLM's: 1000 x 1024 -> 128). Client CPU is printed: on 2 cores it competes with the server.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2 as httpx
+import msgspec
+import numpy as np
+
+PERCENTILES = (50.0, 90.0, 99.0)
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    success: bool = False
+    error: str = ""
+    start: float = 0.0  # perf_counter at send
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+
+def sample_requests(n: int, input_len: int, output_len: int, ratio: float, vocab: list[int],
+                    seed: int) -> list[Request]:
+    """vLLM's random dataset: lengths uniform in [len*(1-r), len*(1+r)], ids uniform over `vocab`."""
+    rng = np.random.default_rng(seed)
+
+    def lens(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(np.floor(mean * (1 - ratio)))), max(1, int(np.ceil(mean * (1 + ratio))))
+        return rng.integers(lo, hi + 1, size=n)
+
+    ins, outs = lens(input_len), lens(output_len)
+    ids = np.asarray(vocab)
+    return [Request(rng.choice(ids, size=int(i)).tolist(), int(o)) for i, o in zip(ins, outs, strict=True)]
+
+
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send offsets (s): gamma-distributed gaps (burstiness 1 = Poisson), scaled so the last
+    arrives at n / rate exactly (as vLLM does); all 0 at rate inf."""
+    if rate == float("inf"):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed + 1).gamma(burstiness, 1.0 / (rate * burstiness), size=n)
+    t = np.cumsum(gaps)
+    return (t * (n / rate) / t[-1]).tolist()
+
+
+def percentile_line(name: str, values_s: list[float]) -> list[tuple[str, float]]:
+    """(label, ms) for mean and each percentile; np.percentile's linear interpolation, as vLLM."""
+    v = np.asarray(values_s or [0.0]) * 1000.0
+    return [(f"Mean {name} (ms):", float(v.mean()))] + [
+        (f"P{p:g} {name} (ms):", float(np.percentile(v, p))) for p in PERCENTILES]
+
+
+def compute_metrics(results: list[Result], requests: list[Request], duration_s: float) -> dict[str, Any]:
+    ok = [(r, q) for r, q in zip(results, requests, strict=True) if r.success]
+    out_tokens = sum(r.output_tokens for r, _ in ok)
+    in_tokens = sum(len(q.prompt_token_ids) for _, q in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r, _ in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration": duration_s,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration_s, "output_throughput": out_tokens / duration_s,
+        "total_throughput": (in_tokens + out_tokens) / duration_s,
+        "ttft": [r.ttft for r, _ in ok], "tpot": tpots, "itl": [x for r, _ in ok for x in r.itl],
+    }
+
+
+async def send(client: httpx.AsyncClient, url: str, model: str, req: Request, temperature: float,
+               timeout_s: float) -> Result:
+    payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
+               "ignore_eos": True, "temperature": temperature, "stream": True,
+               "stream_options": {"include_usage": True}}
+    res, decode = Result(), msgspec.json.Decoder().decode
+    res.start = last = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", url, json=payload) as resp:
+                if resp.status_code != 200:
+                    res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                    return res
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = decode(data)
+                    now = time.perf_counter()
+                    if chunk.get("choices"):
+                        if res.ttft == 0.0:
+                            res.ttft = now - res.start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                    elif usage := chunk.get("usage"):
+                        res.output_tokens = usage["completion_tokens"]
+        res.latency = last - res.start
+        res.success = res.output_tokens == req.max_tokens  # ignore_eos: exactly max_tokens
+        if not res.success:
+            res.error = f"usage says {res.output_tokens} tokens, expected {req.max_tokens}"
+    except (httpx.HTTPError, TimeoutError, msgspec.DecodeError, KeyError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_client(base: str, requests: list[Request], args: argparse.Namespace) -> tuple[list[Result], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    key = os.environ.get("TIDAL_API_KEY")  # the server inherits it, so it would demand it
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(args.request_timeout), limits=limits,
+                                 headers=headers) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        warm = await send(c, "/v1/completions", model, Request(requests[0].prompt_token_ids, 4),
+                          args.temperature, args.request_timeout)
+        if not warm.success:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        offsets = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+
+        async def one(req: Request, at: float) -> Result:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            return await send(c, "/v1/completions", model, req, args.temperature, args.request_timeout)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets, strict=True)))
+        return list(results), time.perf_counter() - t0
+
+
+def print_metrics(m: dict[str, Any], args: argparse.Namespace, client_cpu_s: float) -> None:
+    """vLLM's "Serving Benchmark Result" block (P50/P90/P99 in place of its median/P99)."""
+    rows: list[tuple[str, Any]] = [("Successful requests:", m["completed"]), ("Failed requests:", m["failed"])]
+    if args.request_rate != float("inf"):
+        rows.append(("Request rate configured (RPS):", f"{args.request_rate:.2f}"))
+    rows += [("Benchmark duration (s):", f"{m['duration']:.2f}"), ("Total input tokens:", m["input_tokens"]),
+             ("Total generated tokens:", m["output_tokens"]),
+             ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
+             ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
+             ("Total Token throughput (tok/s):", f"{m['total_throughput']:.2f}"),
+             ("Client CPU (s):", f"{client_cpu_s:.2f}")]
+    print(f"{' Serving Benchmark Result ':=^50}")
+    print("\n".join(f"{k:<40} {v:<10}" for k, v in rows))
+    for key, name, header in (("ttft", "TTFT", "Time to First Token"),
+                              ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+                              ("itl", "ITL", "Inter-token Latency")):
+        print(f"{header:-^50}")
+        print("\n".join(f"{k:<40} {v:<10.2f}" for k, v in percentile_line(name, m[key])))
+    print("=" * 50, flush=True)
+
+
+def start_server(model: str, port: int, engine_argv: list[str], log: Any) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), *engine_argv]
+    print("server:", " ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+async def wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base, timeout=2.0) as c:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+            try:
+                if (await c.get("/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"server not healthy after {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            print("server ignored SIGTERM; killing it", file=sys.stderr)
+            proc.kill()
+            proc.wait()
+
+
+def run_offline(model: str, requests: list[Request], engine_kwargs: dict[str, Any], temperature: float) -> float:
+    """LLM.generate on the same workload: output tok/s (after a warm-up request)."""
+    from tidal.frontend import LLM
+    from tidal.protocol import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature) for r in requests]
+    with LLM(model, **engine_kwargs) as llm:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(r.max_tokens for r in requests), tokens
+    print(f"LLM.generate: {len(outs)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.2f} output tok/s")
+    return tokens / dt
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
+    from tidal.frontend.engine_args import EngineArgs
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False, epilog="Every other flag is an engine arg (vLLM's "
+                                "EngineArgs), passed to both `tidal serve` and LLM, e.g. --max-model-len, -tp.")
+    p.add_argument("--model", default=None, help="HF model dir (default: the embedded default model)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--random-input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--random-output-len", type=int, default=64, help="max_tokens per request (ignore_eos)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, token ids, arrivals)")
+    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, whole stream")
+    p.add_argument("--no-offline", action="store_true", help="skip the LLM.generate reference")
+    args, engine_argv = p.parse_known_args()
+    if not 0.0 <= args.random_range_ratio < 1.0 or args.num_prompts < 1 or args.request_rate <= 0:
+        p.error("need 0 <= --random-range-ratio < 1, --num-prompts >= 1, --request-rate > 0")
+    ep = argparse.ArgumentParser(prog="bench_serving.py: engine args", add_help=False, allow_abbrev=False)
+    EngineArgs.add_cli_args(ep, exclude=frozenset({"model", "seed"}))
+    engine_kwargs = vars(ep.parse_args(engine_argv))  # SUPPRESS defaults: only the flags given
+    return args, engine_argv, engine_kwargs
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwind as Ctrl-C does, so the server is always stopped and reaped
+
+
+def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
+                     ) -> tuple[list[Request], list[Result], float, float]:
+    """Start the server, build the workload while it loads, run it; the server is stopped and
+    reaped on every path (its log is kept and its tail printed unless all went well)."""
+    from transformers import AutoTokenizer
+
+    from tidal.protocol.utils import free_port
+
+    port = args.port or free_port()
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile(prefix="tidal-serve-", suffix=".log", delete=False) as log:
+        proc = start_server(args.model, port, engine_argv, log)
+        try:
+            tok = AutoTokenizer.from_pretrained(args.model)
+            special = set(tok.all_special_ids)
+            vocab = [i for i in range(len(tok)) if i not in special]
+            requests = sample_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                       args.random_range_ratio, vocab, args.seed)
+            asyncio.run(wait_healthy(base, proc, args.ready_timeout))
+            cpu0 = time.process_time()
+            results, duration = asyncio.run(run_client(base, requests, args))
+            client_cpu = time.process_time() - cpu0
+        except BaseException as e:
+            stop_server(proc)
+            log.flush()
+            with open(log.name, errors="replace") as f:
+                tail = "".join(f.readlines()[-30:])
+            print(f"--- server log ({log.name}), last lines ---\n{tail}", file=sys.stderr)
+            if isinstance(e, (RuntimeError, TimeoutError, httpx.HTTPError)):
+                sys.exit(f"error: {type(e).__name__}: {e}")
+            raise
+        stop_server(proc)
+    if proc.returncode != 0:
+        print(f"note: the server exited with code {proc.returncode} on SIGTERM (log: {log.name})", file=sys.stderr)
+    else:
+        os.unlink(log.name)
+    return requests, results, duration, client_cpu
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwind as Ctrl-C does, so the server is always stopped and reaped
+
+
+def main() -> None:
+    args, engine_argv, engine_kwargs = parse_args()
+    signal.signal(signal.SIGTERM, _sigterm)
+    if args.model is None:
+        from tidal.frontend.make_model import ensure_default_model
+
+        args.model = ensure_default_model()
+    requests, results, duration, client_cpu = run_server_phase(args, engine_argv)
+    metrics = compute_metrics(results, requests, duration)
+    if errors := [r.error for r in results if not r.success]:
+        print(f"{len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
+    print_metrics(metrics, args, client_cpu)
+    if args.no_offline:
+        return
+    offline = run_offline(args.model, requests, engine_kwargs, args.temperature)
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s"
+    print(f"server / LLM.generate output tok/s (rate {rate}): "
+          f"{metrics['output_throughput']:.2f} / {offline:.2f} = {metrics['output_throughput'] / offline:.3f}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,131 @@
+"""Every error status of `tidal serve`, OpenAI-shaped: 400 (validation, context overflow, no
+chat template), 401 (API key), 404 (model, route), 413 (body limit), 503 (dead engine)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import psutil
+import pytest
+
+from tests.server_utils import (
+    Server,
+    assert_openai_error,
+    http_get,
+    http_request,
+    model_without_chat_template,
+    post_json,
+    wait_for,
+)
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 4096
+FLAGS = ["--model-runner", "null", "--max-model-len", "256", "--num-kv-blocks", "128"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: str, tidal_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A keyed server whose model has no chat template, with a small body limit."""
+    model = model_without_chat_template(tiny_model_dir, str(tmp_path_factory.mktemp("no-tpl") / "m"))
+    srv = Server(model, [*FLAGS, "--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "m"],
+                 tidal_cache_dir, env={"TIDAL_API_KEY": KEY})
+    yield srv
+    srv.stop()
+
+
+def completions(server: Server, body: object, headers: dict[str, str] | None = None) -> tuple[int, object]:
+    return post_json(server.url + "/v1/completions", body, AUTH if headers is None else headers)
+
+
+def test_api_key_required_and_checked(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        server.client(api_key="wrong").completions.create(model="m", prompt="hi", max_tokens=2)
+    assert info.value.status_code == 401
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, body = completions(server, {"prompt": "hi"}, headers)
+        assert_openai_error(status, body, 401)
+    assert http_get(server.url + "/v1/models")[0] == 401
+    assert http_get(server.url + "/health")[0] == 200  # open: probes and scrapers
+    assert http_get(server.url + "/metrics")[0] == 200
+    ok = server.client(api_key=KEY).completions.create(model="m", prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, None),
+    ({"prompt": "hi", "top_p": 0}, None),
+    ({"prompt": "hi", "n": 0}, None),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1.5, 2]}, "prompt"),
+    ({"prompt": [100000]}, None),  # out of the vocabulary: the engine's ValueError
+    ({"prompt": "hi", "logprobs": 1000}, None),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_validation_errors_are_400(server: Server, body: dict, param: str | None) -> None:
+    status, resp = completions(server, body)
+    assert_openai_error(status, resp, 400)
+    assert resp["error"]["type"] == "BadRequestError"  # type: ignore[index]
+    if param is not None:
+        assert resp["error"]["param"] == param  # type: ignore[index]
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    status, body = http_request("POST", server.url + "/v1/completions", b"{not json", AUTH)
+    assert_openai_error(status, json.loads(body), 400)
+
+
+def test_context_overflow_message(server: Server) -> None:
+    status, body = completions(server, {"prompt": [1, 2, 3, 4, 5], "max_tokens": 300})
+    assert_openai_error(status, body, 400)
+    message = body["error"]["message"]  # type: ignore[index]
+    assert "300" in message and "256" in message and "5 input tokens" in message
+    with pytest.raises(openai.BadRequestError):
+        server.client(api_key=KEY).completions.create(model="m", prompt=[1, 2, 3], max_tokens=254)
+
+
+def test_unknown_model_and_route_are_404(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        server.client(api_key=KEY).completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    status, body = completions(server, {"model": "gpt-4", "prompt": "hi"})
+    assert_openai_error(status, body, 404)
+    assert body["error"]["param"] == "model"  # type: ignore[index]
+    status, raw = http_get(server.url + "/v1/nothing-here", AUTH)
+    assert_openai_error(status, json.loads(raw), 404)
+
+
+def test_body_over_the_limit_is_413(server: Server) -> None:
+    status, body = completions(server, {"prompt": "x" * (BODY_LIMIT + 1)})
+    assert_openai_error(status, body, 413)
+    # The limit holds without a Content-Length too (a chunked body).
+    status, raw = http_request("POST", server.url + "/v1/completions",
+                               iter([b'{"prompt": "', b"y" * BODY_LIMIT, b'"}']),  # type: ignore[arg-type]
+                               {**AUTH, "Transfer-Encoding": "chunked"})
+    assert_openai_error(status, json.loads(raw), 413)
+
+
+def test_chat_without_template_is_400(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client(api_key=KEY).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "chat template" in str(info.value) and "--chat-template" in str(info.value)
+
+
+def test_dead_engine_is_503(long_model_dir: str, tidal_cache_dir: str) -> None:
+    srv = Server(long_model_dir, FLAGS, tidal_cache_dir)
+    try:
+        cores = [p for p in srv.children() if "tidal.core.core_proc" in " ".join(p.cmdline())]
+        assert cores
+        for p in cores:
+            p.kill()
+        psutil.wait_procs(cores, timeout=30)
+        wait_for(lambda: http_get(srv.url + "/health")[0] == 503, 60, "/health to answer 503")
+        status, body = post_json(srv.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert_openai_error(status, body, 503)
+        status, raw = http_get(srv.url + "/health")
+        assert_openai_error(status, json.loads(raw), 503)
+    finally:
+        srv.stop()
