@@ -11,7 +11,12 @@ Threads and sockets (a ZMQ socket is only ever used by one thread):
 * The ROUTER is ROUTER_MANDATORY: a send to a front-end whose connection is gone fails with
   EHOSTUNREACH, which is how the core learns that a front-end disconnected (libzmq 4.3 without
   draft APIs has no ROUTER_NOTIFY). The busy loop then aborts that front-end's requests.
-* Garbage (too few frames, unknown request type, undecodable payload) is logged and dropped.
+* Garbage (a wrong frame count, unknown request type, undecodable payload, nesting past the
+  decoder's cap: any exception while decoding) is logged and dropped; a frame over
+  MAX_MESSAGE_BYTES makes libzmq drop its sender's connection before anything is read.
+* ZMTP heartbeats (set before bind, see zmq_utils.Heartbeat): a front-end whose host froze or
+  vanished without a FIN loses its connection within `heartbeat_timeout_s`, and the next
+  output for it fails with EHOSTUNREACH like any disconnect.
 * Back-pressure: `send()` blocks while _MAX_IN_FLIGHT messages are between the busy loop and the
   ROUTER. A busy loop that never blocks (null runner, tiny batches) would otherwise hold the
   GIL so that the helper threads get one socket call per GIL switch interval (5 ms): outputs
@@ -27,7 +32,6 @@ import queue
 import threading
 from typing import Any, Sequence
 
-import msgspec
 import zmq
 
 from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
@@ -39,7 +43,7 @@ from tidal.protocol.messages import (
     FinishReason,
     UtilityRequest,
 )
-from tidal.protocol.zmq_utils import make_socket
+from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES, Heartbeat, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +55,34 @@ InputItem = tuple[bytes, bytes, Any]  # (kind, front-end identity, decoded paylo
 _STOP = b""  # a one-frame message on the inproc pipe: flush and close
 _MAX_BURST = 256  # messages handled per socket per poll round, so neither side starves
 _MAX_IN_FLIGHT = 2  # step messages encoded or queued but not yet handed to the ROUTER
-# ZMTP heartbeats: libzmq drops a connection whose peer stopped answering pings (a vanished
-# host), which then surfaces as EHOSTUNREACH like any disconnect.
-_HEARTBEAT_IVL_MS = 2_000
-_HEARTBEAT_TIMEOUT_MS = 20_000
+
+
+def _leading_request_id(payload: bytes) -> str | None:
+    """The first field of an EngineCoreRequest (an array whose first item is a str), read from
+    the raw bytes: enough to answer a malformed ADD, without decoding (or skipping) the rest,
+    which may be what is malformed."""
+    view = memoryview(payload)
+    if not view:
+        return None
+    # msgpack array headers: fixarray (1 byte, non-empty), array 16 (3 bytes), array 32 (5).
+    head = 1 if 0x91 <= view[0] <= 0x9f else {0xdc: 3, 0xdd: 5}.get(view[0], 0)
+    if not head or len(view) <= head:
+        return None
+    tag, body = view[head], view[head + 1:]
+    if 0xa0 <= tag <= 0xbf:  # fixstr
+        size, skip = tag - 0xa0, 0
+    elif tag in (0xd9, 0xda, 0xdb):  # str 8 / 16 / 32
+        skip = {0xd9: 1, 0xda: 2, 0xdb: 4}[tag]
+        size = int.from_bytes(body[:skip], "big")
+    else:
+        return None
+    raw = bytes(body[skip:skip + size])
+    if len(raw) != size:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 class CoreIO:
@@ -64,17 +92,18 @@ class CoreIO:
     `input_queue`. `close()` delivers everything sent before it, then closes the sockets.
     """
 
-    def __init__(self, address: str, input_queue: "queue.SimpleQueue[InputItem]") -> None:
+    def __init__(self, address: str, input_queue: "queue.SimpleQueue[InputItem]", *,
+                 heartbeat_timeout_s: float = 20.0) -> None:
         self.address = address
         self.input_queue = input_queue
         self._ctx = zmq.Context()
         try:
             # Linger so that the last outputs (engine_dead, final tokens) reach the front-ends
             # after close(); bounded so that a stuck peer cannot hold the core forever.
-            self._router = make_socket(self._ctx, address, zmq.ROUTER, bind=True, linger_ms=3_000)
+            self._router = make_socket(self._ctx, address, zmq.ROUTER, bind=True, linger_ms=3_000,
+                                       heartbeat=Heartbeat(heartbeat_timeout_s),
+                                       max_message_bytes=MAX_MESSAGE_BYTES)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-            self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             inproc = f"inproc://tidal-core-out-{id(self):x}"
             self._pull = self._ctx.socket(zmq.PULL)
             self._pull.bind(inproc)
@@ -149,11 +178,8 @@ class CoreIO:
                 # this thread the GIL until _forward_outputs frees a slot.
                 if router in ready:
                     for _ in range(_MAX_BURST):
-                        try:
-                            frames = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
+                        if not self._receive_one(router, decoders):
                             break
-                        self._handle_input(router, frames, decoders)
                 if pull in ready and self._forward_outputs(router, pull):
                     return
         except Exception:
@@ -191,10 +217,22 @@ class CoreIO:
             if done:
                 self._in_flight.release(done)  # once per burst: one wake-up of the busy loop
 
+    def _receive_one(self, router: zmq.Socket, decoders: "_Decoders") -> bool:
+        """Receive and handle one message; False when none is waiting. A function of its own
+        so that the frames (up to MAX_MESSAGE_BYTES) are freed when it returns, not kept by a
+        loop variable until the next message comes."""
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self._handle_input(router, frames, decoders)
+        return True
+
     def _handle_input(self, router: zmq.Socket, frames: list[bytes], decoders: "_Decoders") -> None:
         identity = frames[0]
         self._gone.discard(identity)  # it is (back) on the line
-        if len(frames) < 3:
+        # [identity, kind, payload]: no front-end message carries arrays, so no extra frames.
+        if len(frames) != 3:
             self._garbage(identity, f"{len(frames)} frame(s)")
             return
         kind, payload = frames[1], frames[2:]
@@ -208,8 +246,8 @@ class CoreIO:
             else:
                 self._garbage(identity, f"unknown request type {kind[:8]!r}")
                 return
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
-            self._garbage(identity, f"undecodable {kind[:8]!r} payload ({e})")
+        except Exception as e:  # whatever a payload makes the decoder raise, this thread lives on
+            self._garbage(identity, f"undecodable {kind[:8]!r} payload ({type(e).__name__}: {e})")
             if kind == EngineCoreRequestType.ADD.value:
                 self._reject_malformed_add(router, identity, payload, str(e), decoders.encoder)
             return
@@ -219,17 +257,15 @@ class CoreIO:
                               problem: str, encoder: MsgpackEncoder) -> None:
         """An ADD whose request id is still readable gets an ERROR output, so that its sender
         does not wait forever for a request the core never queued."""
-        try:
-            fields = msgspec.msgpack.decode(payload[0])
-        except Exception:
-            return
-        if isinstance(fields, list) and fields and isinstance(fields[0], str):
-            out = EngineCoreOutput(fields[0], finish_reason=FinishReason.ERROR,
-                                   error=f"malformed request: {problem}")
-            try:  # this thread owns the ROUTER: answer directly, outside the busy loop's pipeline
-                router.send_multipart([identity, *encoder.encode(EngineCoreOutputs(outputs=[out]))])
-            except zmq.ZMQError:
-                pass  # it is gone already
+        request_id = _leading_request_id(payload[0])
+        if request_id is None:
+            return  # not even that: nobody to answer
+        out = EngineCoreOutput(request_id, finish_reason=FinishReason.ERROR,
+                               error=f"malformed request: {problem}")
+        try:  # this thread owns the ROUTER: answer directly, outside the busy loop's pipeline
+            router.send_multipart([identity, *encoder.encode(EngineCoreOutputs(outputs=[out]))])
+        except zmq.ZMQError:
+            pass  # it is gone already
 
     def _garbage(self, identity: bytes, what: str) -> None:
         self._num_garbage += 1

@@ -36,7 +36,14 @@ import msgspec
 
 from tidal.core.core_io import GONE, CoreIO, InputItem
 from tidal.protocol.config import EngineConfig
-from tidal.protocol.messages import HELLO, EngineCoreOutputs, EngineCoreRequestType, UtilityOutput, UtilityRequest
+from tidal.protocol.messages import (
+    HELLO,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    UtilityOutput,
+    UtilityRequest,
+    encode_utility_result,
+)
 from tidal.protocol.process import exit_with_parent
 from tidal.protocol.utils import setup_logging, summarize_exception
 
@@ -64,7 +71,8 @@ class EngineCoreProc:
         self.engine: Any = None  # EngineCore once started
         self._clients: set[bytes] = set()  # connected identities: each hears engine_dead
         self._shutting_down = False
-        self.io = CoreIO(address, self.input_queue)  # bind first: a bad address fails at once
+        # Bind first: a bad address fails at once.
+        self.io = CoreIO(address, self.input_queue, heartbeat_timeout_s=config.heartbeat_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -117,23 +125,34 @@ class EngineCoreProc:
             except queue.Empty:
                 break
             if kind == _UTILITY:
-                self._reply(identity, item.call_id, None, error)
+                self._reply(identity, item.call_id, failure=error)
         self.io.close()
 
     # ------------------------------------------------------------------ busy loop
     def _busy_loop(self) -> None:
-        engine, in_q = self.engine, self.input_queue
+        engine = self.engine
         while True:
-            if not engine.has_unfinished_requests():
-                try:
-                    item = in_q.get(timeout=_IDLE_POLL_S)
-                except queue.Empty:
-                    engine.check_health()
-                    continue
-                self._handle(item)
+            if not engine.has_unfinished_requests() and not self._wait_for_input():
+                continue
             self._drain()
-            for identity, outputs in engine.step().items():
-                self.io.send(identity, outputs)
+            self._step()
+
+    # Inputs and outputs are handled in helpers of their own, never in _busy_loop's frame: a
+    # loop variable would keep the last request (up to MAX_MESSAGE_BYTES decoded) or the last
+    # step's outputs alive while the loop waits, possibly for good.
+    def _wait_for_input(self) -> bool:
+        """Idle: block until one input arrives and handle it (True), or check health (False)."""
+        try:
+            item = self.input_queue.get(timeout=_IDLE_POLL_S)
+        except queue.Empty:
+            self.engine.check_health()
+            return False
+        self._handle(item)
+        return True
+
+    def _step(self) -> None:
+        for identity, outputs in self.engine.step().items():
+            self.io.send(identity, outputs)
 
     def _drain(self) -> None:
         """Apply everything on the input queue (also called by the engine mid-step)."""
@@ -167,16 +186,19 @@ class EngineCoreProc:
     def _utility(self, identity: bytes, req: UtilityRequest) -> None:
         try:
             if req.method == HELLO:
-                result: Any = self.engine.info
+                result: object = self.engine.info
             else:
                 result = self.engine.call_utility(req.method, list(req.args))
-            # Plain builtins here, so that encoding on the output thread cannot fail.
-            self._reply(identity, req.call_id, msgspec.to_builtins(result), None)
+            # Encoded here, so that a result that cannot be encoded fails this call alone.
+            encoded = encode_utility_result(result)
         except Exception as e:
-            self._reply(identity, req.call_id, None, f"{type(e).__name__}: {e}")
+            self._reply(identity, req.call_id, failure=f"{type(e).__name__}: {e}")
+            return
+        self._reply(identity, req.call_id, encoded)
 
-    def _reply(self, identity: bytes, call_id: int, result: Any, failure: str | None) -> None:
-        out = UtilityOutput(call_id, result=result, failure=failure)
+    def _reply(self, identity: bytes, call_id: int, result: msgspec.Raw | None = None,
+               failure: str | None = None) -> None:
+        out = UtilityOutput(call_id, failure=failure) if result is None else UtilityOutput(call_id, result, failure)
         self.io.send(identity, EngineCoreOutputs(utility_output=out, timestamp=time.monotonic()))
 
 

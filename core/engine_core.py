@@ -7,7 +7,10 @@ Invariants:
 - Every output leaves through `step()`, grouped by the front-end it goes to (the request's
   `client_index`): step outputs, rejections of `add_request` and the ABORT outputs of
   `abort_requests` alike. Each request gets exactly one finished output.
-- Request ids are unique per core, across front-ends; a front-end may abort only its own.
+- Request ids are the front-end's own: requests are keyed by (front-end, id), so two
+  front-ends may use the same ids and neither can touch (abort, block) the other's. The
+  scheduler and runner see an internal id (`internal_id`) that is unique per core; outputs
+  leave with the front-end's id again.
 - `apply_input` (the core process's input drain) runs between the forward pass and the update
   that builds the step's outputs, so an abort that arrived during the forward pass wins over
   it: the request gets its one ABORT output, and the tokens of the step it raced are dropped.
@@ -20,7 +23,6 @@ from typing import Any, Callable
 
 from tidal.core.executor import Executor
 from tidal.core.request import ClientIndex, Request, RequestStatus
-from tidal.core.request_queue import SchedulingPolicy
 from tidal.core.scheduler import Scheduler
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -28,6 +30,17 @@ from tidal.protocol.request_rules import RequestLimits, check_request
 from tidal.protocol.utils import summarize_exception
 
 logger = logging.getLogger(__name__)
+
+
+def internal_id(request_id: str, client_index: ClientIndex) -> str:
+    """The scheduler's id of a front-end's request: unique per core. A client's id followed
+    by NUL and its identity in hex (which holds no NUL), so the last NUL splits it back and
+    no two (front-end, id) pairs share one. In-process callers (None) keep their ids."""
+    return request_id if client_index is None else f"{request_id}\x00{client_index.hex()}"
+
+
+def external_id(internal: str, client_index: ClientIndex) -> str:
+    return internal if client_index is None else internal.rpartition("\x00")[0]
 
 
 class EngineCore:
@@ -41,7 +54,8 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.limits = RequestLimits(self.info.max_model_len, self.info.vocab_size, config.max_logprobs)
+        self.limits = RequestLimits(self.info.max_model_len, self.info.vocab_size, config.max_logprobs,
+                                    config.scheduling_policy)
         self.apply_input = apply_input
         self._outbox: dict[ClientIndex, list[EngineCoreOutput]] = {}  # what the next step() returns
         self.forward_time_s = 0.0
@@ -57,10 +71,11 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest, client_index: ClientIndex = None) -> None:
         """Queue a request from `client_index`; one that breaks a rule is not queued and gets an
         ERROR output instead (the front-end checked first; this guards against any client)."""
-        problem = self._check(req)
+        problem = self._check(req, client_index)
         if problem is None:
             try:
                 request = Request.from_engine_core_request(req, self.info.max_model_len, client_index)
+                request.request_id = internal_id(req.request_id, client_index)
                 self.scheduler.add_request(request)
                 return
             except Exception as e:  # a request that breaks the scheduler fails alone
@@ -68,24 +83,22 @@ class EngineCore:
                 problem = summarize_exception(e)
         self._emit(client_index, EngineCoreOutput(req.request_id, finish_reason=FinishReason.ERROR, error=problem))
 
-    def _check(self, req: EngineCoreRequest) -> str | None:
-        if req.request_id in self.scheduler.requests:
+    def _check(self, req: EngineCoreRequest, client_index: ClientIndex) -> str | None:
+        if internal_id(req.request_id, client_index) in self.scheduler.requests:
             return f"request id {req.request_id!r} is already running"
         if req.sampling_params.n != 1:
             return "the engine core takes n=1 requests; the front-end fans out n > 1"
-        if req.priority != 0 and self.scheduler.policy != SchedulingPolicy.PRIORITY:
-            return f"Got priority {req.priority} but Priority scheduling is not enabled."  # vLLM's words
-        return check_request(req.prompt_token_ids, req.sampling_params, self.limits, req.eos_token_id)
+        return check_request(req.prompt_token_ids, req.sampling_params, self.limits, req.eos_token_id,
+                             req.priority)
 
     def abort_requests(self, request_ids: list[str], client_index: ClientIndex = None) -> None:
         """Abort those of `request_ids` that `client_index` sent and that are still running;
         each gets one finished ABORT output. Other ids are ignored."""
-        requests = self.scheduler.requests
-        mine = [rid for rid in request_ids
-                if (r := requests.get(rid)) is not None and r.client_index == client_index]
+        mine = [internal_id(rid, client_index) for rid in request_ids]  # nobody else's by construction
         for r in self.scheduler.finish_requests(mine, RequestStatus.FINISHED_ABORTED):
             self._emit(r.client_index, EngineCoreOutput(
-                r.request_id, finish_reason=FinishReason.ABORT, num_cached_tokens=max(r.num_cached_tokens, 0)))
+                external_id(r.request_id, r.client_index), finish_reason=FinishReason.ABORT,
+                num_cached_tokens=max(r.num_cached_tokens, 0)))
 
     def drop_client(self, client_index: ClientIndex) -> int:
         """A front-end is gone: end its requests and free their KV, without outputs (nobody
@@ -127,6 +140,9 @@ class EngineCore:
         if self.apply_input is not None:
             self.apply_input()  # see the invariants: aborts that arrived meanwhile win
         for client, outs in self.scheduler.update_from_output(scheduler_output, runner_output).items():
+            if client is not None:
+                for out in outs:
+                    out.request_id = external_id(out.request_id, client)
             self._outbox.setdefault(client, []).extend(outs)
 
     # ------------------------------------------------------------------ utility

@@ -229,6 +229,7 @@ RULES: dict[str, Rule] = {
     "device": Implemented("device"),
     "worker_step_timeout_s": Implemented("worker_step_timeout_s"),
     "engine_start_timeout_s": Implemented("engine_start_timeout_s"),
+    "heartbeat_timeout_s": Implemented("heartbeat_timeout_s"),
     "core_address": Implemented("core_address"),
     "model_runner": Implemented("model_runner"),
     "num_kv_blocks": Implemented(None),  # tidal's older name of num_gpu_blocks_override
@@ -273,6 +274,19 @@ def apply_rules(args: "EngineArgs") -> None:
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
+
+
+def dtype_name(dtype: Any) -> str:
+    """The config's dtype name of vLLM's `dtype` arg: a torch.dtype by its name (the config is
+    JSON, and the front-end imports no torch), the aliases by their canonical names; any other
+    value is a ValueError listing the accepted ones."""
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        dtype = str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, str) or dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(MODEL_DTYPES)} "
+                         "(or the torch.dtype of one)")
+    return _DTYPE_ALIASES.get(dtype, dtype)
 
 
 def config_kwargs(args: "EngineArgs") -> dict[str, Any]:
@@ -287,7 +301,7 @@ def config_kwargs(args: "EngineArgs") -> dict[str, Any]:
             if value is not None:  # EngineConfig's optional fields default to None too
                 out[rule.target] = value
     out["seed"] = 0 if args.seed is None else args.seed
-    out["dtype"] = _DTYPE_ALIASES.get(args.dtype, args.dtype)
+    out["dtype"] = dtype_name(args.dtype)
     if args.tokens_only:
         out["skip_tokenizer_init"] = True
     if args.num_kv_blocks is not None:

@@ -36,22 +36,17 @@ from tidal.protocol.messages import (
     SchedulerStats,
     UtilityOutput,
     UtilityRequest,
+    decode_utility_result,
+    encode_utility_result,
 )
 from tidal.protocol.utils import Deadline
-from tidal.protocol.zmq_utils import make_socket
+from tidal.protocol.zmq_utils import Heartbeat, make_socket
 
 logger = logging.getLogger(__name__)
 
 _ADD, _ABORT, _UTILITY = (t.value for t in EngineCoreRequestType)
 _POLL_MS = 100  # longest single wait; every loop around a wait re-checks death and deadlines
 UTILITY_TIMEOUT_S = 60.0
-_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats}
-
-
-def convert_result(method: str, result: Any) -> Any:
-    """Utility results arrive as builtins; rebuild the known struct types."""
-    t = _RESULT_TYPES.get(method)
-    return result if t is None or result is None else msgspec.convert(result, t)
 
 
 class InprocClient:
@@ -78,7 +73,9 @@ class InprocClient:
         return self.engine.step().get(None)
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        return convert_result(method, msgspec.to_builtins(self.engine.call_utility(method, list(args))))
+        # Through the wire encoding, so that a result has the same types as from a core process.
+        result = encode_utility_result(self.engine.call_utility(method, list(args)))
+        return decode_utility_result(method, result)
 
     def get_stats(self) -> SchedulerStats:
         return self.call_utility("get_stats")
@@ -110,10 +107,10 @@ class _MPClientBase:
                 self.address = self.process.address
             else:
                 self.address = config.core_address
-            self.sock = make_socket(ctx, self.address, zmq.DEALER, bind=False, identity=self.identity)
-            # ZMTP heartbeats drop the connection to a core whose host vanished (-> watcher).
-            self.sock.setsockopt(zmq.HEARTBEAT_IVL, 2_000)
-            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 20_000)
+            # ZMTP heartbeats drop the connection to a core whose process or host froze or
+            # vanished; the watcher turns that into EngineDeadError for every stream.
+            self.sock = make_socket(ctx, self.address, zmq.DEALER, bind=False, identity=self.identity,
+                                    heartbeat=Heartbeat(config.heartbeat_timeout_s))
         except BaseException:
             self._teardown()
             raise
@@ -151,7 +148,13 @@ class _MPClientBase:
                 if u is not None and u.call_id == call_id:
                     if u.failure is not None:
                         raise RuntimeError(f"engine core failed to start: {u.failure}")
-                    return msgspec.convert(u.result, ResolvedEngineInfo)
+                    try:
+                        info: ResolvedEngineInfo = decode_utility_result(HELLO, u.result)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        raise RuntimeError(f"engine core failed to start: {self.address} answered "
+                                           f"with an engine description this front-end cannot "
+                                           f"read ({e})") from None
+                    return info
                 continue
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"engine core failed to start: {self.process.startup_error()}")
@@ -343,7 +346,7 @@ class AsyncMPClient(_MPClientBase):
 def _utility_result(method: str, u: UtilityOutput) -> Any:
     if u.failure is not None:
         raise RuntimeError(f"utility {method!r} failed in the engine core: {u.failure}")
-    return convert_result(method, u.result)
+    return decode_utility_result(method, u.result)
 
 
 def _log_send_failure(fut: "asyncio.Future[Any]") -> None:

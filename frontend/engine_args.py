@@ -210,6 +210,7 @@ class EngineArgs:
     device: str = "auto"  # auto | cpu | cuda
     worker_step_timeout_s: float = 120.0
     engine_start_timeout_s: float = 300.0
+    heartbeat_timeout_s: float = 20.0  # a silent core (or front-end) is declared gone after this
     core_address: str | None = None  # a running `tidal core` to connect to
     model_runner: str = "torch"  # torch | null (no model: one token per request per step)
     num_kv_blocks: int | None = None  # tidal's older name of num_gpu_blocks_override

@@ -14,6 +14,7 @@ from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_
 from tidal.protocol.config_views import ModelConfig, resolved_dtype_name
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tidal.protocol.outputs import RequestOutput
+from tidal.protocol.request_rules import check_priority
 
 if TYPE_CHECKING:
     from tidal.frontend.metrics import EngineMetrics
@@ -62,7 +63,8 @@ class FrontEnd(Generic[C]):
         # What the core resolved (context length, KV blocks) shows in the vLLM config views.
         self.vllm_config = config.replace(max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
         self.input_processor = InputProcessor(tokenizer, max_model_len=info.max_model_len,
-                                              vocab_size=info.vocab_size, max_logprobs=config.max_logprobs)
+                                              vocab_size=info.vocab_size, max_logprobs=config.max_logprobs,
+                                              scheduling_policy=config.scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer, log_stats=not config.disable_log_stats)
         self.metrics: EngineMetrics | None = None
         if not config.disable_log_stats:
@@ -88,16 +90,25 @@ class FrontEnd(Generic[C]):
             raise ValueError("lora_request: LoRA adapters are not supported by tidal")
         if data_parallel_rank not in (None, 0):
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: tidal runs one engine (rank 0)")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
-                             "(scheduling_policy='priority').")
+        if (problem := check_priority(priority, self.config.scheduling_policy)) is not None:
+            raise ValueError(problem)  # the core's rule and words (request_rules)
         request.priority = priority
 
     def _send(self, request: EngineCoreRequest, prompt: str | None,
               queue: RequestOutputCollector | None = None) -> None:
-        """Track a processed request and send it (n > 1: its children) to the core."""
-        for req in self.output_processor.add_request(request, prompt, queue):
-            self.engine_core.add_request(req)
+        """Track a processed request and send it (n > 1: its children) to the core. If any
+        part fails, nothing of the request stays: neither its state here nor a child that
+        already reached the core."""
+        sent: list[str] = []
+        try:
+            for req in self.output_processor.add_request(request, prompt, queue):
+                self.engine_core.add_request(req)
+                sent.append(req.request_id)
+        except BaseException:
+            if sent:
+                self._abort_silently(sent)  # their final output from the core is then ignored
+            self.output_processor.remove_request(request.request_id)
+            raise
 
     def _new_iteration(self) -> IterationStats | None:
         """What one core message's outputs feed when stats are on (see _record_iteration)."""

@@ -17,7 +17,7 @@ from tidal.protocol.messages import EngineCoreRequest
 from tidal.protocol.request_rules import RequestLimits, check_request
 from tidal.protocol.sampling_params import SamplingParams
 
-# Drawn seeds stay below 2**63 with room for the n > 1 children's seed + i.
+# Drawn seeds stay below 2**63 with room for the n > 1 children's seed + i (and then some).
 _SEED_LIMIT = (1 << 63) - (1 << 32)
 # Prompts longer than this (characters) are tokenized in a worker thread by process_async.
 ASYNC_TOKENIZE_MIN_CHARS = 2000
@@ -43,11 +43,12 @@ def _generation_config_eos(tokenizer: Any) -> list[int]:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, *, max_model_len: int, vocab_size: int,
-                 max_logprobs: int, eos_token_id: int | list[int] | None = None) -> None:
+                 max_logprobs: int, eos_token_id: int | list[int] | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         """`eos_token_id` overrides the tokenizer's/generation_config's (a list: the first is the
         EOS, the others become stop token ids, as vLLM does with generation_config)."""
         self.tokenizer = tokenizer
-        self.limits = RequestLimits(max_model_len, vocab_size, max_logprobs)
+        self.limits = RequestLimits(max_model_len, vocab_size, max_logprobs, scheduling_policy)
         if eos_token_id is None:
             eos_ids = _generation_config_eos(tokenizer) if tokenizer is not None else []
             tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -144,7 +145,7 @@ class InputProcessor:
 
     # ------------------------------------------------------------------ process
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams,
-                arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+                arrival_time: float | None = None, priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         """Validated `EngineCoreRequest` (sampling params cloned, never mutated) and the prompt
         text (None for a token-id prompt). n > 1 stays in the params (OutputProcessor.add_request
         fans it out). The request rules are `check_request`'s, the core's too."""
@@ -155,32 +156,46 @@ class InputProcessor:
         text, ids = self._parse_prompt(prompt)
         if ids is None:
             ids = self._tokenize(text)  # type: ignore[arg-type]
+        # The clone re-runs SamplingParams' checks: params changed after construction (structs
+        # are mutable) are caught here too, before anything is registered or sent. The
+        # front-end's own changes then go into this private copy, checked by check_request.
+        params = params.clone()
+        for name, value in self._changes(params).items():
+            setattr(params, name, value)
         ids = self._truncate(ids, params.truncate_prompt_tokens)
+        problem = check_request(ids, params, self.limits, self.eos_token_id, priority)
+        if problem is not None:
+            raise ValueError(problem)
+        request = EngineCoreRequest(request_id, ids, params, self.eos_token_id,
+                                    time.time() if arrival_time is None else arrival_time, priority)
+        return request, text
+
+    def _changes(self, params: SamplingParams) -> dict[str, Any]:
+        """What the front-end sets in a request's params: the bad words' token ids (always, so a
+        caller's own value never travels), a drawn seed, the extra EOS ids as stop ids."""
         # extra_args stay with the caller's params: the wire to the core carries typed fields only.
         changes: dict[str, Any] = {"extra_args": None} if params.extra_args is not None else {}
         if params.bad_words:
             changes["_bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
+        elif params.bad_words_token_ids is not None:
+            changes["_bad_words_token_ids"] = None
         if params.seed is None:
-            changes["seed"] = random.randrange(_SEED_LIMIT)
+            # Room for the n > 1 children's seed + i within int64 (the core's seed type).
+            changes["seed"] = random.randrange(min(_SEED_LIMIT, (1 << 63) - params.n))
         if self.extra_eos_token_ids and not params.ignore_eos:
             stop_ids = list(params.stop_token_ids or ())
             extra = [t for t in self.extra_eos_token_ids if t not in stop_ids]
             if extra:
                 changes["stop_token_ids"] = stop_ids + extra
-        params = params.clone(**changes)
-        problem = check_request(ids, params, self.limits, self.eos_token_id)
-        if problem is not None:
-            raise ValueError(problem)
-        request = EngineCoreRequest(request_id, ids, params, self.eos_token_id,
-                                    time.time() if arrival_time is None else arrival_time)
-        return request, text
+        return changes
 
     async def process_async(self, request_id: str, prompt: str | dict, params: SamplingParams,
-                            arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+                            arrival_time: float | None = None,
+                            priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         """`process`, tokenizing long prompts in a worker thread so the event loop keeps serving."""
         text = prompt if isinstance(prompt, str) else (
             prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
         if isinstance(text, str) and len(text) > ASYNC_TOKENIZE_MIN_CHARS:
-            return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time)
-        return self.process(request_id, prompt, params, arrival_time)
+            return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time, priority)
+        return self.process(request_id, prompt, params, arrival_time, priority)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+import uuid
 from typing import Any, Sequence
 
 from tidal.frontend.beam_search import beam_search
@@ -43,7 +44,10 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
             multiprocessing = envs.TIDAL_ENABLE_MULTIPROCESSING or config.core_address is not None
         elif not multiprocessing and config.core_address is not None:
             raise ValueError("core_address needs multiprocessing: the core is another process")
-        self._ids = itertools.count()  # request ids: unique, so never running twice
+        # Request ids as vLLM's LLM shows them ('0', '1', ...); in the core each carries this
+        # LLM's tag too, so front-ends sharing a headless core never collide.
+        self._ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:12]
         self._start(config, SyncMPClient if multiprocessing else InprocClient)
 
     # ------------------------------------------------------------------ public
@@ -86,7 +90,7 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; pass one per prompt")
         requests = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-            req, text = self.input_processor.process(str(next(self._ids)), prompt,
+            req, text = self.input_processor.process(f"{next(self._ids)}#{self._tag}", prompt,
                                                      params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
             self._apply_request_options(req, 0 if priority is None else priority[i], lora_request)
             requests.append((req, text))
@@ -141,9 +145,10 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
                 it = self._new_iteration()
                 for out in self._process_outputs(outs.outputs, outs.timestamp, it):
                     if isinstance(out, Exception):
-                        raise out if isinstance(out, EngineGenerateError) else EngineGenerateError(str(out))
+                        raise _visible_error(out)
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        out.request_id = _visible_id(out.request_id)
                         if bar is not None:
                             bar.update(out)
                 self._record_iteration(outs.scheduler_stats, it)
@@ -157,6 +162,19 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
+
+
+def _visible_id(internal_id: str) -> str:
+    """The id vLLM's LLM shows ('0', '1', ...) of an internal '<n>#<tag>'."""
+    return internal_id.partition("#")[0]
+
+
+def _visible_error(exc: Exception) -> EngineGenerateError:
+    """A request's failure as an EngineGenerateError naming the request's visible id."""
+    err = exc if isinstance(exc, EngineGenerateError) else EngineGenerateError(str(exc))
+    if isinstance(rid := getattr(err, "request_id", None), str):
+        err.request_id = _visible_id(rid)  # type: ignore[attr-defined]
+    return err
 
 
 class _ProgressBar:

@@ -230,16 +230,26 @@ class OutputProcessor:
                     queue: RequestOutputCollector | None = None) -> list[EngineCoreRequest]:
         """Track a processed request (its id is not running: the caller made it unique).
         Returns what to send to the core: the request, or for n > 1 its n children, whose
-        outputs come back under the request's id."""
+        outputs come back under the request's id. All or nothing: every state is built before
+        any is registered, so a request that fails here leaves no state behind."""
         parent, requests = None, [request]
         if request.sampling_params.n > 1:
-            parent = self.parent_requests[request.request_id] = ParentRequest(
-                request.request_id, request.sampling_params)
+            parent = ParentRequest(request.request_id, request.sampling_params)
             requests = parent.make_children(request)
-        for index, req in enumerate(requests):
-            self.request_states[req.request_id] = _STATE_CLASS[req.sampling_params.output_kind](
-                req, prompt, parent, index, queue, self.tokenizer, self._token_texts, self.log_stats)
+        states = [_STATE_CLASS[req.sampling_params.output_kind](
+            req, prompt, parent, index, queue, self.tokenizer, self._token_texts, self.log_stats)
+            for index, req in enumerate(requests)]
+        if parent is not None:
+            self.parent_requests[parent.request_id] = parent
+        for state in states:
+            self.request_states[state.request_id] = state
         return requests
+
+    def remove_request(self, request_id: str) -> None:
+        """Forget a request (a parent id: its children) that was never sent to the core."""
+        for state in self._expand(request_id):
+            self._drop(state)
+        self.parent_requests.pop(request_id, None)
 
     def _step(self, iteration_stats: IterationStats | None, timestamp: float | None) -> _Step | None:
         if not self.log_stats:

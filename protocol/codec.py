@@ -6,6 +6,7 @@ received buffers without copying. Only typed decoders exist: no pickle anywhere.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Generic, Sequence, TypeVar
 
 import msgspec
@@ -47,10 +48,16 @@ class MsgpackDecoder(Generic[T]):
         self._frames: Sequence[Buffer] = ()
 
     def decode(self, frames: Sequence[Buffer]) -> T:
-        """Raises msgspec.DecodeError / ValidationError (or ValueError) on malformed input."""
+        """Raises msgspec.DecodeError / ValidationError (or ValueError) on malformed input.
+
+        Nesting is capped: msgspec counts each level against the interpreter's recursion
+        limit, also when it skips a value, and a deeper message is a DecodeError here."""
         self._frames = frames
         try:
             return self._decoder.decode(frames[0])
+        except RecursionError:
+            raise msgspec.DecodeError(
+                f"message nested deeper than the recursion limit ({sys.getrecursionlimit()})") from None
         finally:
             self._frames = ()
 

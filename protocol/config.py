@@ -69,6 +69,9 @@ class EngineConfig(VllmConfigAttrs):
     scheduling_policy: str = "fcfs"  # fcfs | priority
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | raw_logits | processed_logprobs | processed_logits
     served_model_name: str | list[str] | None = None  # the name(s) the API answers to; None: model
+    # A peer (the core, or a front-end of a headless core) whose host answers no ZMTP heartbeat
+    # for this long is given up: its streams fail with EngineDeadError, or its requests are freed.
+    heartbeat_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -85,6 +88,8 @@ class EngineConfig(VllmConfigAttrs):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}.")
         if self.model_runner not in ("torch", "null"):
             raise ValueError(f"model_runner must be torch or null, got {self.model_runner!r}.")
+        if not 0 < self.heartbeat_timeout_s <= 3600:
+            raise ValueError(f"heartbeat_timeout_s must be in (0, 3600], got {self.heartbeat_timeout_s}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         for name, allowed in _CHOICES.items():

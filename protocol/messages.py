@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from tidal.protocol.config import ResolvedEngineInfo
 from tidal.protocol.sampling_params import SamplingParams
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
@@ -49,15 +50,25 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     priority: int = 0  # scheduling_policy="priority": lower runs first (vLLM's convention)
 
 
+# An argument of a utility call: scalars only (no utility takes a container), so that an
+# argument list cannot nest.
+UtilityArg = str | int | float | bool | None
+
+
 class UtilityRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     call_id: int
     method: str
-    args: list[Any] = []
+    args: list[UtilityArg] = []
+
+
+_NIL = msgspec.Raw(b"\xc0")  # msgpack nil
 
 
 class UtilityOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     call_id: int
-    result: Any = None
+    # The method's result, msgpack-encoded; decoded with UTILITY_RESULT_TYPES[method] by the
+    # caller, the only side that knows which method it called (see `encode_utility_result`).
+    result: msgspec.Raw = _NIL
     failure: str | None = None
 
 
@@ -115,6 +126,28 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     num_total_blocks: int = 0
     num_batched_tokens: int = 0  # this step
     num_scheduled_seqs: int = 0  # this step
+
+
+# What each utility the engine core answers returns, so that a result is decoded precisely.
+UTILITY_RESULT_TYPES: dict[str, Any] = {
+    HELLO: ResolvedEngineInfo,
+    "get_stats": SchedulerStats,
+    "reset_prefix_cache": bool,
+    "get_timing": tuple[float, float, int],  # cumulative (step seconds, forward seconds, steps)
+}
+
+
+def encode_utility_result(result: object) -> msgspec.Raw:
+    return msgspec.Raw(msgspec.msgpack.encode(result))
+
+
+def decode_utility_result(method: str, result: msgspec.Raw) -> Any:
+    """ValueError for a method without a declared result type, msgspec errors for a result
+    that does not match it."""
+    type_ = UTILITY_RESULT_TYPES.get(method)
+    if type_ is None:
+        raise ValueError(f"utility {method!r} has no declared result type")
+    return msgspec.msgpack.decode(result, type=type_)
 
 
 class EngineCoreOutputs(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]

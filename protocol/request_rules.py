@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from tidal.protocol.sampling_params import SamplingParams
+from tidal.protocol.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -18,12 +18,28 @@ class RequestLimits:
     max_model_len: int
     vocab_size: int
     max_logprobs: int
+    scheduling_policy: str = "fcfs"  # a priority other than 0 needs "priority"
+
+
+def check_priority(priority: int, scheduling_policy: str) -> str | None:
+    """vLLM's rule (and words): a priority needs priority scheduling; it must fit the wire."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        return f"priority must be an integer, got {priority!r}"
+    if not INT64_MIN <= priority <= INT64_MAX:
+        return f"priority must fit in a signed 64-bit integer, got {priority}"
+    if priority != 0 and scheduling_policy != "priority":
+        return f"Got priority {priority} but Priority scheduling is not enabled."
+    return None
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits,
-                  eos_token_id: int | None = None) -> str | None:
+                  eos_token_id: int | None = None, priority: int = 0) -> str | None:
     """What is wrong with this request, in one sentence naming the value and the limit; None
     when it can run. `params` already passed SamplingParams' own checks."""
+    if problem := check_priority(priority, limits.scheduling_policy):
+        return problem
+    if params.extra_args is not None:  # a front-end's own: it never travels to the core
+        return "extra_args must not be sent to the engine core"
     n, max_len, vocab = len(prompt_token_ids), limits.max_model_len, limits.vocab_size
     if n == 0:
         return "the prompt is empty: it must hold at least one token"

@@ -8,11 +8,31 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any
+import numbers
+import operator
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from tidal.protocol.utils import GREEDY_EPS
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what an int field on the wire can carry
+UINT64_MAX = (1 << 64) - 1  # a seed may use the whole unsigned range too (the sampler hashes 64 bits)
+
+if TYPE_CHECKING:
+    FrontEndOnly = dict[str, Any] | None
+else:
+    # extra_args never travel: the input processor strips them, and the core's decoder takes
+    # only null in their place, so no untyped (Any) value is ever decoded from the wire.
+    FrontEndOnly = None
+
+# Fields checked for type by _check_types (the wire's msgspec types; ranges are _verify's).
+_INTS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+_BOOLS = ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+          "include_stop_str_in_output", "flat_logprobs")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -52,7 +72,7 @@ class SamplingParams(
     allowed_token_ids: list[int] | None = None  # every other token is masked
     # Carried for custom samplers and plugins, unused by tidal; the front-end keeps it and does
     # not send it to the core (the wire carries typed fields only).
-    extra_args: dict[str, Any] | None = None
+    extra_args: FrontEndOnly = None
     bad_words: list[str] | None = None  # never completed in the output (see bad_words_token_ids)
     # Set by the front-end from bad_words (both with and without a leading space, as vLLM does).
     _bad_words_token_ids: list[list[int]] | None = None
@@ -60,15 +80,12 @@ class SamplingParams(
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop is None:
-            self.stop = []
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        self.bad_words = [] if self.bad_words is None else list(dict.fromkeys(self.bad_words))
-        if self.logprobs is True:  # vLLM's spelling of 1
-            self.logprobs = 1
-        if self.prompt_logprobs is True:
-            self.prompt_logprobs = 1
+        self.stop = _str_list("stop", self.stop)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        self.bad_words = list(dict.fromkeys(_str_list("bad_words", self.bad_words)))
+        if self.seed == -1:  # vLLM's spelling of "no seed" (one is drawn per request)
+            self.seed = None
+        self._check_types()
         if self.logit_bias:
             self.logit_bias = _clamped_logit_bias(self.logit_bias)
         self._verify()
@@ -126,13 +143,37 @@ class SamplingParams(
     def sampling_type_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    def _check_types(self) -> None:
+        """Every field as the wire carries it (a ValueError here, never an encoder's
+        OverflowError or the core's "malformed request"): ints are plain ints within int64
+        (anything with __index__ is taken, True as 1 as in vLLM), floats are floats, flags are
+        bools. Normalises in place, so it runs before the range checks."""
+        # Plain values (the common case, and every decoded one) skip the conversions.
+        for name in _INTS + _OPTIONAL_INTS:
+            value = getattr(self, name)
+            hi = UINT64_MAX if name == "seed" else INT64_MAX
+            if type(value) is int and INT64_MIN <= value <= hi or value is None and name not in _INTS:
+                continue
+            # tidal refused a bool truncation size before; it stays refused.
+            setattr(self, name, _as_int(name, value, allow_bool=name != "truncate_prompt_tokens", hi=hi))
+        for name in _FLOATS:
+            if type(value := getattr(self, name)) is not float:
+                setattr(self, name, _as_float(name, value))
+        for name in _BOOLS:
+            if type(value := getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be a bool, got {type(value).__name__}.")
+        self.allowed_token_ids = (None if self.allowed_token_ids is None
+                                  else _int_list("allowed_token_ids", self.allowed_token_ids))
+        if type(self.output_kind) is not RequestOutputKind:
+            self.output_kind = _output_kind(self.output_kind)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}.")
+
     def _verify(self) -> None:
         """Raise ValueError naming the first field out of its range; changes nothing."""
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} {rule}, got {getattr(self, name)!r}.")
 
-        if not isinstance(self.n, int):
-            raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if self.n < 1:
             raise bad("n", "must be at least 1")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -148,8 +189,6 @@ class SamplingParams(
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
         if self.top_k < -1:
             raise bad("top_k", "must be 0 (disable), or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
@@ -168,45 +207,106 @@ class SamplingParams(
                 raise bad(name, "must be non-negative or -1")
         if any(not s for s in self.stop):  # type: ignore[union-attr]
             raise ValueError("stop cannot contain an empty string.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
+        if any(t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
             raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and self.seed > UINT64_MAX - (self.n - 1):
+            raise ValueError(f"seed + n - 1 must fit in 64 bits (the n > 1 children are seeded "
+                             f"seed + i), got seed={self.seed}, n={self.n}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True. "
                              "Set detokenize=True to use stop.")
         self._verify_token_features()
 
     def _verify_token_features(self) -> None:
-        """Types of the fields added with vLLM's token-level features. Their ids (and the
+        """Ranges of the fields added with vLLM's token-level features. Their ids (and the
         front-end's bad-word sequences) are checked against the vocabulary by check_request,
         which fails one request rather than dropping a message from the wire."""
-        if any(not isinstance(w, str) or not w for w in self.bad_words):  # type: ignore[union-attr]
+        if any(not w for w in self.bad_words):  # type: ignore[union-attr]
             raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
-        ids = self.allowed_token_ids
-        if ids is not None and any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise ValueError(f"allowed_token_ids must contain only integers, got {ids}.")
         t = self.truncate_prompt_tokens
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t == 0 or t < -1):
+        if t is not None and (t == 0 or t < -1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}")
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
 
 
-def _clamped_logit_bias(bias: dict[Any, Any]) -> dict[int, float]:
-    """Int keys (JSON clients send strings), values clamped to [-100, 100] as vLLM does (so a
-    NaN or infinite bias can never reach the sampler)."""
+def _as_int(name: str, value: Any, allow_bool: bool = True, hi: int = INT64_MAX) -> int:
+    """`value` as a plain int the wire can carry (numpy ints included), else ValueError."""
+    if (isinstance(value, bool) and not allow_bool) or not hasattr(value, "__index__"):
+        if name == "top_k":  # vLLM's words
+            raise ValueError(f"top_k must be an integer, got {type(value).__name__}")
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
+    value = operator.index(value)
+    if not INT64_MIN <= value <= hi:
+        bits = "a signed or unsigned 64-bit" if hi == UINT64_MAX else "a signed 64-bit"
+        raise ValueError(f"{name} must fit in {bits} integer, got {value}.")
+    return int(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    """`value` (any real number but a string) as a float, else ValueError; ranges are _verify's."""
+    try:
+        if isinstance(value, numbers.Real):
+            return float(value)
+    except OverflowError:  # an int past float's range
+        pass
+    raise ValueError(f"{name} must be a number within float range, got {value!r} ({type(value).__name__}).")
+
+
+def _int_list(name: str, values: Any) -> list[int]:
+    """A list of token ids (None: empty), each a plain int64 int; no bools, which are no ids."""
+    if values is None or type(values) is list and not values:
+        return []
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers, got {type(values).__name__}.")
+    if all(type(t) is int and INT64_MIN <= t <= INT64_MAX for t in values):
+        return list(values)  # the common case, without a call per id
+    if any(isinstance(t, bool) for t in values):
+        raise ValueError(f"{name} must contain only integers, got {values}.")
+    return [_as_int(name, t) for t in values]
+
+
+def _str_list(name: str, values: Any) -> list[str]:
+    """A list of strings (None: empty), each encodable as UTF-8 (a lone surrogate is not)."""
+    if values is None or type(values) is list and not values:
+        return []
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{name} must be a str or a list of str, got {values!r}.")
+    for v in values:
+        if not v.isascii():  # ASCII is UTF-8; only other text can hold a lone surrogate
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{name} must be valid UTF-8 text, got {v!r} ({e.reason}).") from None
+    return list(values)
+
+
+def _output_kind(value: Any) -> RequestOutputKind:
+    if isinstance(value, RequestOutputKind):
+        return value
+    try:
+        return RequestOutputKind(_as_int("output_kind", value, allow_bool=False))
+    except ValueError:
+        raise ValueError(f"output_kind must be a RequestOutputKind, got {value!r}.") from None
+
+
+def _clamped_logit_bias(bias: Any) -> dict[int, float]:
+    """Int keys (JSON clients send strings) within int64, values clamped to [-100, 100] as vLLM
+    does (so a NaN or infinite bias can never reach the sampler)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(bias).__name__}.")
     out: dict[int, float] = {}
     bad = []
     for token, value in bias.items():
         try:
             token_id = int(token)
-            if isinstance(token, (bool, float)) and token != token_id:
+            if isinstance(token, (bool, float)) and token != token_id or not INT64_MIN <= token_id <= INT64_MAX:
                 raise ValueError(token)
-            out[token_id] = min(100.0, max(-100.0, float(value)))
         except (TypeError, ValueError):
             bad.append(token)
+            continue
+        out[token_id] = min(100.0, max(-100.0, _as_float(f"logit_bias[{token!r}]", value)))
     if bad:
         raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}")
     return out

@@ -6,9 +6,12 @@ TCP binds exactly the address given (loopback by default), never a wildcard.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import shutil
+import socket
 import tempfile
+from dataclasses import dataclass
 from typing import Iterator
 
 import zmq
@@ -31,39 +34,99 @@ class IpcDir:
 
 
 def validate_address(address: str) -> str:
-    """Reject wildcard binds and unsupported schemes with a clear message."""
+    """Reject wildcard binds and unsupported schemes with a clear message.
+
+    The host is resolved, not matched as text: `0`, `0.0`, `0x0`, `000.000.000.000`, `::`,
+    `[0:0::0]` and `::ffff:0.0.0.0` all mean "every interface" to the resolver that libzmq
+    uses too. A host that does not resolve is accepted only as a network interface name
+    (which libzmq binds to that interface's address)."""
     if address.startswith("ipc://"):
         if len(address) <= len("ipc://"):
             raise ValueError(f"empty ipc path in address {address!r}")
         return address
     if address.startswith("tcp://"):
         host, _, port = address[len("tcp://"):].rpartition(":")
-        if host in ("*", "0.0.0.0", "[::]", ""):
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"bad TCP port in address {address!r}")
+        if _binds_every_interface(host):
             raise ValueError(
                 f"refusing to bind a wildcard address {address!r}: name the interface "
                 f"explicitly (tcp://{LOOPBACK}:PORT for local use)"
             )
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad TCP port in address {address!r}")
         return address
     raise ValueError(f"address must start with ipc:// or tcp://, got {address!r}")
 
 
+def _binds_every_interface(host: str) -> bool:
+    """True for '*', '' and any spelling the resolver turns into an unspecified address."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in ("", "*"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        if host in {name for _, name in socket.if_nameindex()}:
+            return False
+        raise ValueError(f"cannot resolve host {host!r} (name an interface or its address)") from None
+    return any(_is_unspecified(str(info[4][0])) for info in infos)
+
+
+def _is_unspecified(text: str) -> bool:
+    addr = ipaddress.ip_address(text.split("%", 1)[0])  # drop an IPv6 scope id
+    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+    return addr.is_unspecified or (mapped is not None and mapped.is_unspecified)
+
+
+# Largest frame a core accepts from a front-end: libzmq drops a connection that announces a
+# bigger one before reading it. A legitimate request (prompt, allowed/bad token ids, logit
+# bias) is a few MB at most; the cap keeps a hostile or broken peer from making the core
+# allocate and decode hundreds of MB.
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """ZMTP heartbeats: a connection whose peer answers no PING for `timeout_s` (a frozen or
+    vanished host, no FIN) is dropped. libzmq copies these options into a connection when
+    connect()/bind() creates it, so make_socket sets them before either."""
+
+    timeout_s: float
+
+    def apply(self, sock: zmq.Socket) -> None:
+        timeout_ms = max(1, int(self.timeout_s * 1000))
+        # Several PINGs per timeout, so one lost to a busy link does not decide; at most 2 s apart.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, min(2_000, timeout_ms // 5)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        # Sent in each PING: the peer drops us too if it hears nothing from us this long.
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500))  # libzmq's maximum TTL
+
+
 def make_socket(
     ctx: zmq.Context, address: str, socket_type: int, *, bind: bool, identity: bytes | None = None,
-    linger_ms: int = 0,
+    linger_ms: int = 0, heartbeat: Heartbeat | None = None, max_message_bytes: int | None = None,
 ) -> zmq.Socket:
+    """Every option is set before bind/connect: libzmq applies options to a connection when
+    it is made, so one set afterwards never reaches it."""
     sock = ctx.socket(socket_type)
-    sock.setsockopt(zmq.LINGER, linger_ms)
-    # No high-water mark drops: a lagging peer slows the sender instead of losing messages.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if bind:
-        sock.bind(validate_address(address))
-    else:
-        sock.connect(address)
+    try:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        # No high-water mark drops: a lagging peer slows the sender instead of losing messages.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if heartbeat is not None:
+            heartbeat.apply(sock)
+        if max_message_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if bind:
+            sock.bind(validate_address(address))
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     return sock
 
 

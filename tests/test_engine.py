@@ -159,18 +159,20 @@ def test_request_id_reuse_right_after_finish_and_abort() -> None:
 
 def test_outputs_go_to_their_front_end() -> None:
     """Requests stamped with their front-end's identity: a step's outputs come grouped by it, ids
-    are unique across front-ends, a front-end aborts only its own requests, and the requests of
-    one that is gone are freed without outputs."""
+    are per front-end (two may use the same id; neither touches the other's request), a
+    front-end aborts only its own requests, and the requests of one that is gone are freed
+    without outputs."""
     core = make_core("tiny", max_model_len=64, num_kv_blocks=16)
     try:
         core.add_request(req("a1", [5, 6, 7], greedy(4)), b"fe-a")
         core.add_request(req("b1", [8, 9], greedy(4)), b"fe-b")
-        core.add_request(req("a1", [5], greedy(4)), b"fe-b")  # in use by fe-a
+        core.add_request(req("a1", [5], greedy(4)), b"fe-b")  # fe-a's id, fe-b's own request
+        core.add_request(req("b1", [5], greedy(4)), b"fe-b")  # in use by fe-b itself
         got = {c: [(o.request_id, o.finish_reason) for o in m.outputs] for c, m in core.step().items()}
-        assert got == {b"fe-a": [("a1", None)], b"fe-b": [("a1", FinishReason.ERROR), ("b1", None)]}
-        core.abort_requests(["a1", "b1"], b"fe-b")  # a1 is not fe-b's: only b1 ends
+        assert got == {b"fe-a": [("a1", None)], b"fe-b": [("b1", FinishReason.ERROR), ("b1", None), ("a1", None)]}
+        core.abort_requests(["a1", "b1"], b"fe-b")  # fe-b's own a1 and b1 end; fe-a's a1 runs on
         got = {c: [(o.request_id, o.finish_reason) for o in m.outputs] for c, m in core.step().items()}
-        assert got == {b"fe-a": [("a1", None)], b"fe-b": [("b1", FinishReason.ABORT)]}
+        assert got == {b"fe-a": [("a1", None)], b"fe-b": [("a1", FinishReason.ABORT), ("b1", FinishReason.ABORT)]}
         assert core.drop_client(b"fe-a") == 1
         assert core.step() == {} and not core.has_unfinished_requests()
         assert_all_blocks_free(core)

@@ -13,8 +13,8 @@ from tidal.frontend import AsyncEngineArgs, EngineArgs
 from tidal.frontend.arg_cli import human_readable_int
 from tidal.frontend.arg_rules import RULES, Implemented, NoOp, Refused, field_default
 
-TIDAL_EXTRAS = {"device", "worker_step_timeout_s", "engine_start_timeout_s", "core_address", "model_runner",
-                "num_kv_blocks"}
+TIDAL_EXTRAS = {"device", "worker_step_timeout_s", "engine_start_timeout_s", "heartbeat_timeout_s",
+                "core_address", "model_runner", "num_kv_blocks"}
 
 
 def test_every_vllm_arg_is_a_field_with_exactly_one_outcome() -> None:
@@ -161,3 +161,15 @@ def test_field_defaults_match_the_dataclass() -> None:
     fresh = EngineArgs()
     for f in fields(EngineArgs):
         assert field_default(f) == getattr(fresh, f.name)
+
+
+def test_dtype_torch_dtype_and_names() -> None:
+    torch = pytest.importorskip("torch")
+    for dtype, name in [(torch.bfloat16, "bfloat16"), (torch.half, "float16"), (torch.float, "float32"),
+                        ("half", "float16"), ("float", "float32"), ("auto", "auto")]:
+        cfg = EngineArgs(model="/m", dtype=dtype).create_engine_config()
+        assert cfg.dtype == name
+        assert type(cfg).from_json(cfg.to_json()).dtype == name  # the config travels as JSON
+    for bad in ("bf16", torch.int8, 16):
+        with pytest.raises(ValueError, match="use one of auto, half, float16, bfloat16, float, float32"):
+            EngineArgs(model="/m", dtype=bad).create_engine_config()

@@ -9,6 +9,7 @@ import pytest
 
 from tidal.frontend.input_processor import InputProcessor
 from tidal.protocol.messages import EngineCoreRequest
+from tidal.protocol.request_rules import check_request
 from tidal.protocol.sampling_params import SamplingParams
 
 try:
@@ -159,9 +160,11 @@ def test_bad_words_tokenized_as_vllm(ip: InputProcessor, tokenizer: Any) -> None
 
 def test_bad_word_token_ids_range_checked(ip: InputProcessor) -> None:
     params = SamplingParams()
-    params._bad_words_token_ids = [[5, 1000]]  # as a client could send it
-    with pytest.raises(ValueError, match=r"specified as bad: \[1000\]"):
-        ip.process("a", "hi", params)
+    params._bad_words_token_ids = [[5, 1000]]  # as a client could send it to the core
+    problem = check_request([1, 2], params, ip.limits)
+    assert problem is not None and "specified as bad: [1000]" in problem
+    # The front-end sets the field from bad_words alone: a caller's own value never travels.
+    assert ip.process("a", "hi", params)[0].sampling_params.bad_words_token_ids is None
 
 
 def test_truncate_prompt_tokens_keeps_the_last(ip: InputProcessor) -> None:
