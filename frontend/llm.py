@@ -115,11 +115,16 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
                            use_tqdm=use_tqdm, concurrency_limit=concurrency_limit,
                            max_model_len=self.info.max_model_len)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate() uses when given no sampling params: the model's
+        generation_config.json defaults (generation_config="auto"), else SamplingParams()."""
+        diff = self.model_config.get_diff_sampling_param()
+        return SamplingParams.from_optional(**diff) if diff else SamplingParams()
+
     # ----------------------------------------------------------------- helpers
-    @staticmethod
-    def _params_for(prompts: list[Any], sampling_params: Any) -> list[SamplingParams]:
+    def _params_for(self, prompts: list[Any], sampling_params: Any) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * len(prompts)
+            return [self.get_default_sampling_params()] * len(prompts)
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(prompts)
         if isinstance(sampling_params, (list, tuple)):

@@ -25,6 +25,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "scheduling_policy": ("fcfs", "priority"),
     "logprobs_mode": ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),
+    "generation_config": ("auto", "vllm"),
 }
 
 
@@ -67,6 +68,8 @@ class EngineConfig(VllmConfigAttrs):
     enforce_eager: bool = False  # no CUDA graphs (the CPU path never captures any)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    # auto: default sampling params from the model's generation_config.json (vLLM); vllm: none
+    generation_config: str = "auto"
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | raw_logits | processed_logprobs | processed_logits
     served_model_name: str | list[str] | None = None  # the name(s) the API answers to; None: model
     # A peer (the core, or a front-end of a headless core) whose host answers no ZMTP heartbeat

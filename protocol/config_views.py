@@ -59,7 +59,6 @@ class ModelConfig:
     is_encoder_decoder = False
     is_hybrid = False
     use_mla = False
-    generation_config = "auto"
 
     def __init__(self, cfg: "EngineConfig") -> None:
         self._cfg = cfg
@@ -135,10 +134,23 @@ class ModelConfig:
         return None  # tidal's models attend over the full context
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
-        return {}  # tidal takes no default sampling params from generation_config.json
+        """vLLM's: the sampling defaults the model's generation_config.json sets (with
+        generation_config="auto"), under SamplingParams' names; {} when none (or "vllm")."""
+        if self._cfg.generation_config != "auto" or not os.path.isdir(self._cfg.model):
+            return {}
+        try:
+            with open(os.path.join(self._cfg.model, "generation_config.json"), encoding="utf-8") as f:
+                gen = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(gen, dict):
+            return {}
+        names = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
+                 "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+        return {ours: gen[theirs] for theirs, ours in names.items() if gen.get(theirs) is not None}
 
 
-_MODEL_FIELDS = frozenset({"model", "seed", "max_logprobs", "logprobs_mode", "skip_tokenizer_init",
+_MODEL_FIELDS = frozenset({"model", "seed", "generation_config", "max_logprobs", "logprobs_mode", "skip_tokenizer_init",
                            "enforce_eager", "trust_remote_code", "revision", "tokenizer_revision",
                            "tokenizer_mode"})
 

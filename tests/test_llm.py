@@ -280,3 +280,24 @@ def test_get_metrics_counts_exactly_what_was_served(long_model_dir: str) -> None
 def test_get_metrics_needs_stats(llm: LLM) -> None:
     with pytest.raises(ValueError, match="disable_log_stats=False"):
         llm.get_metrics()
+
+
+def test_generation_config_defaults(long_model_dir: str, tmp_path: Any) -> None:
+    """vLLM's generation_config="auto": with no sampling params, generate() uses the defaults in the
+    model's generation_config.json (max_new_tokens as max_tokens); "vllm" ignores them."""
+    import json
+    import shutil
+
+    model = str(tmp_path / "with-gen-config")
+    shutil.copytree(long_model_dir, model)
+    with open(f"{model}/generation_config.json", "w") as f:
+        json.dump({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7}, f)
+    with LLM(model=model, model_runner="null", max_model_len=2048) as llm:
+        default = llm.get_default_sampling_params()
+        assert (default.temperature, default.top_p, default.top_k, default.max_tokens) == (0.6, 0.95, 20, 7)
+        (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 7
+    with LLM(model=model, model_runner="null", max_model_len=2048, generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+        (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == SamplingParams().max_tokens
