@@ -78,6 +78,9 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):  # type: ignore
             if not starts:
                 return FlatLogprobs()
             lo, hi = starts[0], ends[-1]
+            if lo == 0:  # a prefix (CUMULATIVE copies the whole container each output): no rebasing
+                return FlatLogprobs(starts, ends, self.token_ids[:hi], self.logprobs[:hi], self.ranks[:hi],
+                                    self.decoded_tokens[:hi])
             return FlatLogprobs([i - lo for i in starts], [i - lo for i in ends], self.token_ids[lo:hi],
                                 self.logprobs[lo:hi], self.ranks[lo:hi], self.decoded_tokens[lo:hi])
         if not isinstance(index, int):
