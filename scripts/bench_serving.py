@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,27 +95,73 @@ def compute_metrics(results: list[Result], requests: list[Request], duration_s: 
     }
 
 
-async def send(client: httpx.AsyncClient, url: str, model: str, req: Request, temperature: float,
+class StreamError(Exception):
+    """A malformed or refused streamed response."""
+
+
+async def _sse_events(reader: asyncio.StreamReader) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of a chunked text/event-stream body, one list per socket read (the
+    events that arrived together). A plain asyncio reader and a few bytes.find calls per read:
+    httpx's aiter_lines costs the client several times the server's CPU per chunk, and on a
+    small box the client shares the CPUs with the server."""
+    raw, body = b"", b""
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            raise StreamError("the connection closed mid-stream")
+        raw += data
+        pos, end = 0, False
+        while True:  # de-chunk what is complete
+            eol = raw.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            size = int(raw[pos:eol].split(b";", 1)[0], 16)
+            if size == 0:
+                end = True
+                break
+            if len(raw) < eol + 2 + size + 2:
+                break
+            body += raw[eol + 2:eol + 2 + size]
+            pos = eol + 2 + size + 2
+        raw = raw[pos:]
+        events = body.split(b"\n\n")
+        body = events.pop()  # an incomplete event (or b"")
+        payloads = [e[5:].strip() for e in events if e.startswith(b"data:")]
+        if payloads:
+            yield payloads
+        if end:
+            return
+
+
+async def send(host: str, port: int, path: str, auth: bytes, model: str, req: Request, temperature: float,
                timeout_s: float) -> Result:
-    payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
-               "ignore_eos": True, "temperature": temperature, "stream": True,
-               "stream_options": {"include_usage": True}}
+    """One streamed completion over its own connection: a minimal HTTP/1.1 client (as vLLM's
+    benchmark uses aiohttp, not httpx); every event is still read and JSON-decoded."""
+    payload = msgspec.json.encode({"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
+                                   "ignore_eos": True, "temperature": temperature, "stream": True,
+                                   "stream_options": {"include_usage": True}})
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n").encode() + auth + b"\r\n"
     res, decode = Result(), msgspec.json.Decoder().decode
     res.start = last = time.perf_counter()
+    writer = None
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=payload) as resp:
-                if resp.status_code != 200:
-                    res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                    return res
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(head + payload)
+            headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+            status = int(headers.split(b" ", 2)[1])
+            if status != 200:
+                res.error = f"HTTP {status}: {(await reader.read(300))!r}"
+                return res
+            if b"transfer-encoding: chunked" not in headers:
+                raise StreamError("the stream is not chunked")
+            async for payloads in _sse_events(reader):
+                now = time.perf_counter()
+                for data in payloads:
+                    if data == b"[DONE]":
                         break
                     chunk = decode(data)
-                    now = time.perf_counter()
                     if chunk.get("choices"):
                         if res.ttft == 0.0:
                             res.ttft = now - res.start
@@ -127,31 +174,36 @@ async def send(client: httpx.AsyncClient, url: str, model: str, req: Request, te
         res.success = res.output_tokens == req.max_tokens  # ignore_eos: exactly max_tokens
         if not res.success:
             res.error = f"usage says {res.output_tokens} tokens, expected {req.max_tokens}"
-    except (httpx.HTTPError, TimeoutError, msgspec.DecodeError, KeyError) as e:
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, StreamError, ValueError,
+            TimeoutError, msgspec.DecodeError, KeyError) as e:
         res.error = f"{type(e).__name__}: {e}"
+    finally:
+        if writer is not None:
+            writer.close()
     return res
 
 
 async def run_client(base: str, requests: list[Request], args: argparse.Namespace) -> tuple[list[Result], float]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     key = os.environ.get("TIDAL_API_KEY")  # the server inherits it, so it would demand it
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(args.request_timeout), limits=limits,
-                                 headers=headers) as c:
+    auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
+    url = httpx.URL(base)
+    host, port = url.host, url.port or 80
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(args.request_timeout), headers=headers) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
-        warm = await send(c, "/v1/completions", model, Request(requests[0].prompt_token_ids, 4),
-                          args.temperature, args.request_timeout)
-        if not warm.success:
-            raise RuntimeError(f"warm-up request failed: {warm.error}")
-        offsets = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+    warm = await send(host, port, "/v1/completions", auth, model, Request(requests[0].prompt_token_ids, 4),
+                      args.temperature, args.request_timeout)
+    if not warm.success:
+        raise RuntimeError(f"warm-up request failed: {warm.error}")
+    offsets = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
 
-        async def one(req: Request, at: float) -> Result:
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            return await send(c, "/v1/completions", model, req, args.temperature, args.request_timeout)
+    async def one(req: Request, at: float) -> Result:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        return await send(host, port, "/v1/completions", auth, model, req, args.temperature, args.request_timeout)
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets, strict=True)))
-        return list(results), time.perf_counter() - t0
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets, strict=True)))
+    return list(results), time.perf_counter() - t0
 
 
 def print_metrics(m: dict[str, Any], args: argparse.Namespace, client_cpu_s: float) -> None:
@@ -252,10 +304,6 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     EngineArgs.add_cli_args(ep, exclude=frozenset({"model", "seed"}))
     engine_kwargs = vars(ep.parse_args(engine_argv))  # SUPPRESS defaults: only the flags given
     return args, engine_argv, engine_kwargs
-
-
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # unwind as Ctrl-C does, so the server is always stopped and reaped
 
 
 def run_server_phase(args: argparse.Namespace, engine_argv: list[str]

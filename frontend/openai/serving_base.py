@@ -37,17 +37,37 @@ class ClientGone(Exception):
 
 
 class SSEResponse(StreamingResponse):
-    """An event stream whose body generator is closed as soon as the response ends: Starlette
-    cancels the sending task on a client disconnect, which may leave the generator suspended
-    at a `yield`; closing it here aborts its requests now, not when it is garbage-collected."""
+    """An event stream, sent straight to the server's `send` (Starlette's StreamingResponse runs
+    it in an anyio task group per response). The body generator yields bytes, each one or more
+    whole `data: ...\n\n` events ready at once, so each is one write; the piece ending in
+    `data: [DONE]` ends the body in that same write. A watcher task cancels the stream when the
+    client disconnects, and the generator is closed as soon as the response ends (not when it is
+    garbage-collected), which aborts its requests now."""
 
     media_type = "text/event-stream"
 
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            if chunk.endswith(DONE):  # the last event: finish the body in the same write
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self._send_all(send))
+        watcher = asyncio.ensure_future(_wait_disconnect_receive(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watcher.cancel()
+            if not stream.done():  # the client left, or this task was cancelled (shutdown)
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if not stream.cancelled() and (exc := stream.exception()) is not None and not isinstance(exc, OSError):
+            raise exc
 
 
 def new_id(prefix: str) -> str:
@@ -164,9 +184,13 @@ def prompt_logprobs_out(out: RequestOutput) -> PromptLogprobs | None:
             for pos in out.prompt_logprobs]
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _wait_disconnect_receive(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    await _wait_disconnect_receive(request.receive)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

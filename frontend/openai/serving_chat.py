@@ -172,9 +172,13 @@ class ChatHandler:
         with_usage = include_usage(req)
         prefix, suffix = stream_framing("chat.completion.chunk", rid, model, with_usage)
         prompt_tokens, completion_tokens = len(first.prompt_token_ids), 0
+        # Events ready at once share one write: the role chunks with the first output, an
+        # output's choices (n > 1), and the tail (the last chunk, the usage chunk and [DONE]).
+        parts: list[bytes] = []
         try:
             for i in range(req.n):  # each choice opens with the role, as OpenAI's streams do
-                yield prefix + _encode(ChatStreamChoice(i, DeltaMessage(role="assistant", content=""))) + suffix
+                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")))
+                             + suffix)
             out: RequestOutput | None = first
             while out is not None:
                 for o in out.outputs:
@@ -182,13 +186,19 @@ class ChatHandler:
                     choice = ChatStreamChoice(o.index, DeltaMessage(content=o.text),
                                               self._logprobs(req, o.token_ids, o.logprobs),
                                               o.finish_reason, o.stop_reason)
-                    yield prefix + _encode(choice) + suffix
-                out = None if out.finished else await gen.__anext__()
+                    parts.append(prefix + _encode(choice) + suffix)
+                if out.finished:
+                    break
+                if parts:
+                    yield parts[0] if len(parts) == 1 else b"".join(parts)
+                    parts = []
+                out = await gen.__anext__()
             if with_usage:
                 usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
-                yield sse(UsageChunk(rid, "chat.completion.chunk", int(time.time()), model, [], usage))
+                parts.append(sse(UsageChunk(rid, "chat.completion.chunk", int(time.time()), model, [], usage)))
         except Exception as e:
-            yield sse_error(e)
+            parts.append(sse_error(e))
         finally:
             await gen.aclose()  # type: ignore[attr-defined]  # aborts the request if the client left
-        yield DONE
+        parts.append(DONE)
+        yield b"".join(parts)

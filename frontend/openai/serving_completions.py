@@ -175,6 +175,10 @@ class CompletionsHandler:
         seen_prompts: set[int] = set()
         prompt_tokens = completion_tokens = 0
         outputs = merged(streams)
+        # Events ready at once share one write: an output's choices (n > 1), and the stream's
+        # tail (its last chunk, the usage chunk and [DONE]).
+        parts: list[bytes] = []
+        left = len(streams)  # prompts not finished yet
         try:
             async for i, out in outputs:
                 for o in out.outputs:
@@ -187,15 +191,21 @@ class CompletionsHandler:
                     if first:
                         offsets[index] = 0
                     choice = self._chunk(req, builder, index, out, o, offsets, first and req.echo)
-                    yield prefix + _encode(choice) + suffix
+                    parts.append(prefix + _encode(choice) + suffix)
+                if out.finished:
+                    left -= 1
+                if left and parts:
+                    yield parts[0] if len(parts) == 1 else b"".join(parts)
+                    parts = []
             if with_usage:
                 usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
-                yield sse(UsageChunk(rid, "text_completion", int(time.time()), model, [], usage))
+                parts.append(sse(UsageChunk(rid, "text_completion", int(time.time()), model, [], usage)))
         except Exception as e:
-            yield sse_error(e)
+            parts.append(sse_error(e))
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
-        yield DONE
+        parts.append(DONE)
+        yield b"".join(parts)
 
     def _chunk(self, req: CompletionRequest, builder: LogprobsBuilder, index: int, out: RequestOutput,
                o: CompletionOutput, offsets: dict[int, int], echo: bool) -> CompletionStreamChoice:
