@@ -260,22 +260,28 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
             proc.wait()
 
 
-def run_offline(model: str, requests: list[Request], engine_kwargs: dict[str, Any], temperature: float) -> float:
-    """LLM.generate on the same workload: output tok/s (after a warm-up request)."""
+def run_offline(model: str, workloads: list[list[Request]], engine_kwargs: dict[str, Any],
+                temperature: float) -> list[float]:
+    """LLM.generate on the same workloads, one LLM (after a warm-up request): output tok/s each."""
     from tidal.frontend import LLM
     from tidal.protocol import SamplingParams
 
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature) for r in requests]
+    rates = []
     with LLM(model, **engine_kwargs) as llm:
-        llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert tokens == sum(r.max_tokens for r in requests), tokens
-    print(f"LLM.generate: {len(outs)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.2f} output tok/s")
-    return tokens / dt
+        llm.generate([{"prompt_token_ids": workloads[0][0].prompt_token_ids}], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        for requests in workloads:
+            prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+            params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature)
+                      for r in requests]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            assert tokens == sum(r.max_tokens for r in requests), tokens
+            print(f"LLM.generate: {len(outs)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.2f} output tok/s")
+            rates.append(tokens / dt)
+    return rates
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
@@ -297,9 +303,11 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, whole stream")
     p.add_argument("--no-offline", action="store_true", help="skip the LLM.generate reference")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="workloads (seeds seed..seed+R-1) run on each side; the ratio is of the medians")
     args, engine_argv = p.parse_known_args()
-    if not 0.0 <= args.random_range_ratio < 1.0 or args.num_prompts < 1 or args.request_rate <= 0:
-        p.error("need 0 <= --random-range-ratio < 1, --num-prompts >= 1, --request-rate > 0")
+    if not 0.0 <= args.random_range_ratio < 1.0 or args.num_prompts < 1 or args.request_rate <= 0 or args.repeats < 1:
+        p.error("need 0 <= --random-range-ratio < 1, --num-prompts >= 1, --request-rate > 0, --repeats >= 1")
     ep = argparse.ArgumentParser(prog="bench_serving.py: engine args", add_help=False, allow_abbrev=False)
     EngineArgs.add_cli_args(ep, exclude=frozenset({"model", "seed"}))
     engine_kwargs = vars(ep.parse_args(engine_argv))  # SUPPRESS defaults: only the flags given
@@ -307,7 +315,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
 
 
 def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
-                     ) -> tuple[list[Request], list[Result], float, float]:
+                     ) -> list[tuple[list[Request], list[Result], float, float]]:
     """Start the server, build the workload while it loads, run it; the server is stopped and
     reaped on every path (its log is kept and its tail printed unless all went well)."""
     from transformers import AutoTokenizer
@@ -322,12 +330,15 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
             tok = AutoTokenizer.from_pretrained(args.model)
             special = set(tok.all_special_ids)
             vocab = [i for i in range(len(tok)) if i not in special]
-            requests = sample_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                       args.random_range_ratio, vocab, args.seed)
+            # Distinct workloads per repeat: a repeated one would hit the prefix cache.
+            workloads = [sample_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                         args.random_range_ratio, vocab, args.seed + i) for i in range(args.repeats)]
             asyncio.run(wait_healthy(base, proc, args.ready_timeout))
-            cpu0 = time.process_time()
-            results, duration = asyncio.run(run_client(base, requests, args))
-            client_cpu = time.process_time() - cpu0
+            runs = []
+            for requests in workloads:
+                cpu0 = time.process_time()
+                results, duration = asyncio.run(run_client(base, requests, args))
+                runs.append((requests, results, duration, time.process_time() - cpu0))
         except BaseException as e:
             stop_server(proc)
             log.flush()
@@ -342,7 +353,7 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
         print(f"note: the server exited with code {proc.returncode} on SIGTERM (log: {log.name})", file=sys.stderr)
     else:
         os.unlink(log.name)
-    return requests, results, duration, client_cpu
+    return runs
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -356,18 +367,21 @@ def main() -> None:
         from tidal.frontend.make_model import ensure_default_model
 
         args.model = ensure_default_model()
-    requests, results, duration, client_cpu = run_server_phase(args, engine_argv)
-    metrics = compute_metrics(results, requests, duration)
-    if errors := [r.error for r in results if not r.success]:
-        print(f"{len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
-    print_metrics(metrics, args, client_cpu)
+    runs = run_server_phase(args, engine_argv)
+    served = []
+    for requests, results, duration, client_cpu in runs:
+        metrics = compute_metrics(results, requests, duration)
+        if errors := [r.error for r in results if not r.success]:
+            print(f"{len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
+        print_metrics(metrics, args, client_cpu)
+        served.append(metrics["output_throughput"])
     if args.no_offline:
         return
-    offline = run_offline(args.model, requests, engine_kwargs, args.temperature)
+    offline = run_offline(args.model, [requests for requests, *_ in runs], engine_kwargs, args.temperature)
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s"
-    print(f"server / LLM.generate output tok/s (rate {rate}): "
-          f"{metrics['output_throughput']:.2f} / {offline:.2f} = {metrics['output_throughput'] / offline:.3f}")
-
+    server_tp, offline_tp = float(np.median(served)), float(np.median(offline))
+    print(f"server / LLM.generate output tok/s (rate {rate}, median of {len(runs)}): "
+          f"{server_tp:.2f} / {offline_tp:.2f} = {server_tp / offline_tp:.3f}")
 
 if __name__ == "__main__":
     try:
