@@ -60,15 +60,18 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     return problem
 
 
+def num_logprobs(k: int | None, vocab_size: int) -> int:
+    """How many logprobs `k` asks for (vLLM's rule: -1 means the whole vocabulary; None: 0)."""
+    return vocab_size if k == -1 else k or 0
+
+
 def _check_logprobs(params: SamplingParams, limits: RequestLimits) -> str | None:
-    """vLLM's rule: -1 means the whole vocabulary, and so does max_logprobs=-1."""
+    """`num_logprobs`' rule, and max_logprobs=-1 allows the whole vocabulary."""
     vocab = limits.vocab_size
-    most = vocab if limits.max_logprobs == -1 else limits.max_logprobs
+    most = num_logprobs(limits.max_logprobs, vocab)
     for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         k = getattr(params, name)
-        if k == -1:
-            k = vocab
-        if k is not None and k > most:
+        if k is not None and (k := num_logprobs(k, vocab)) > most:
             return (f"Requested {what} logprobs of {k}, which is greater than max allowed: {most} "
                     f"({name}={getattr(params, name)}, max_logprobs={limits.max_logprobs})")
     return None

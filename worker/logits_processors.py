@@ -134,8 +134,9 @@ def apply_penalties(x: torch.Tensor, md: SamplingMetadata,
 # What the random path's truncation kept: (rows sampled at random, None = all; their weights
 # [R, V] after truncation, 0 = dropped; their weight cutoffs [R]).
 Cutoffs = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]
-# Weight cutoff every row applies (the sampler's _WEIGHT_FLOOR): a cutoff above it means truncation.
-_FLOOR = 2.0**-100
+# Sampling weights below this are dropped in every row (the sampler's floor); a row's cutoff
+# above it means top-k/top-p/min-p truncated the row.
+WEIGHT_FLOOR = 2.0**-100
 
 
 def processed_logits(x: torch.Tensor, temperature: torch.Tensor, cut: Cutoffs | None) -> torch.Tensor:
@@ -147,7 +148,7 @@ def processed_logits(x: torch.Tensor, temperature: torch.Tensor, cut: Cutoffs | 
     if cut is None:
         return x
     rows, w, omega = cut
-    truncated = omega > _FLOOR  # rows whose cutoff dropped tokens (the floor drops fewer)
+    truncated = omega > WEIGHT_FLOOR  # rows whose cutoff dropped tokens (the floor drops fewer)
     if not bool(truncated.any()):
         return x
     dropped = (w == 0) & truncated[:, None]

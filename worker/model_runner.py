@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
+from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
 from tidal.worker.logits_processors import needs_output_history
@@ -30,11 +31,6 @@ def _plain_greedy(sp: SamplingParams) -> bool:
 def _reads_outputs(sp: SamplingParams) -> bool:
     return bool(sp.min_tokens or sp.presence_penalty or sp.frequency_penalty
                 or sp.repetition_penalty != 1.0 or needs_output_history(sp))
-
-
-def _num_logprobs(k: int | None, vocab_size: int) -> int:
-    """Columns beyond the chosen token: -1 asks for the whole vocabulary."""
-    return vocab_size if k == -1 else k or 0
 
 
 @dataclass
@@ -201,7 +197,7 @@ class ModelRunner:
             ranks = result.logprobs.ranks.cpu().numpy()
             for row, st in enumerate(states):
                 if st.sampling_params.logprobs is not None:
-                    k = _num_logprobs(st.sampling_params.logprobs, self.vocab_size)
+                    k = num_logprobs(st.sampling_params.logprobs, self.vocab_size)
                     out.logprobs[st.req_id] = LogprobsArrays(
                         token_ids[row: row + 1, : k + 1].copy(), lps[row: row + 1, : k + 1].copy(),
                         ranks[row: row + 1].copy())
@@ -213,6 +209,6 @@ class ModelRunner:
             targets = torch.tensor(st.token_ids[first_target: first_target + rows], dtype=torch.long,
                                    device=logits.device)
             lp = compute_prompt_logprobs(logits[offset: offset + rows], targets,
-                                         _num_logprobs(st.sampling_params.prompt_logprobs, self.vocab_size))
+                                         num_logprobs(st.sampling_params.prompt_logprobs, self.vocab_size))
             out.prompt_logprobs[req_id] = lp.to_arrays()
             offset += rows

@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.protocol.messages import LogprobsArrays
+from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.protocol.utils import GREEDY_EPS
-from tidal.worker.logits_processors import Cutoffs, TokenRules, apply_penalties, processed_logits
+from tidal.worker.logits_processors import WEIGHT_FLOOR, Cutoffs, TokenRules, apply_penalties, processed_logits
 
-# Weights below 2^-100 of the row max are dropped (every row, so a draw never depends on its
+# Weights below WEIGHT_FLOOR (2^-100) of the row max are dropped (every row, so a draw never depends on its
 # batch): the per-row rescale by 1/omega then stays < 2^100 and float32 block sums cannot overflow.
-_WEIGHT_FLOOR = 2.0**-100
 _BELOW_ONE = 1.0 - 2.0**-24  # largest float32 < 1: `w > _BELOW_ONE` is exactly `w >= 1`
 _LOG2E = 1.4426950408889634
 _PREFILTER_BLOCK = 64  # block size of the argmax / top-k prefilters
@@ -127,7 +127,7 @@ class SamplingMetadata:
                  for p, e in zip(params, eos_token_ids)]
         min_tokens = {i: stops[i] for i, p in enumerate(params)
                       if len(output_token_ids[i]) < p.min_tokens and stops[i]}
-        ks = [vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
+        ks = [num_logprobs(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
         return SamplingMetadata(
             temperature=torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
                                      dtype=torch.float32, device=device),
@@ -312,7 +312,7 @@ class Sampler(nn.Module):
         # exp on CPU. w in [0, 1] and the row max is exactly 1 (exp2(0)).
         scale = (_LOG2E / temperature.to(torch.float64)).to(x.dtype)[:, None]
         w = x.sub_(x.amax(-1, keepdim=True)).mul_(scale).exp2_()
-        omega = torch.full((R,), _WEIGHT_FLOOR, dtype=x.dtype, device=x.device)
+        omega = torch.full((R,), WEIGHT_FLOOR, dtype=x.dtype, device=x.device)
         if min_p is not None:  # vLLM: drop p < min_p * p_max, i.e. w < min_p
             omega = torch.maximum(omega, min_p.to(x.dtype))
         if top_k is not None or top_p is not None:
