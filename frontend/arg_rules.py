@@ -230,6 +230,10 @@ RULES: dict[str, Rule] = {
     "engine_start_timeout_s": Implemented("engine_start_timeout_s"),
     "heartbeat_timeout_s": Implemented("heartbeat_timeout_s"),
     "core_address": Implemented("core_address"),
+    "max_core_restarts": Implemented("max_core_restarts"),
+    "core_reconnect_timeout_s": Implemented("core_reconnect_timeout_s"),
+    "core_key_file": Implemented("core_key_file"),
+    "max_waiting_requests": Implemented("max_waiting_requests"),
     "model_runner": Implemented("model_runner"),
     "num_kv_blocks": Implemented(None),  # tidal's older name of num_gpu_blocks_override
 }

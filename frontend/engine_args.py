@@ -212,6 +212,10 @@ class EngineArgs:
     engine_start_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 20.0  # a silent core (or front-end) is declared gone after this
     core_address: str | None = None  # a running `tidal core` to connect to
+    max_core_restarts: int = 3  # a dead core is restarted and its streams resumed (0: off)
+    core_reconnect_timeout_s: float = 30.0  # how long a headless core's front-end waits for it
+    core_key_file: str | None = None  # CURVE key file of a keyed headless core
+    max_waiting_requests: int | None = None  # over it, new requests fail ("engine overloaded")
     model_runner: str = "torch"  # torch | null (no model: one token per request per step)
     num_kv_blocks: int | None = None  # tidal's older name of num_gpu_blocks_override
 

@@ -18,6 +18,7 @@ from tidal.protocol.config_views import VllmConfigAttrs
 # classes); kept here, torch-free, so a front-end rejects a model before starting any process.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
+CORE_RESTART_WINDOW_S = 600.0  # max_core_restarts counts the restarts within this window
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -75,6 +76,18 @@ class EngineConfig(VllmConfigAttrs):
     # A peer (the core, or a front-end of a headless core) whose host answers no ZMTP heartbeat
     # for this long is given up: its streams fail with EngineDeadError, or its requests are freed.
     heartbeat_timeout_s: float = 20.0
+    # Fault tolerance: a spawned core that dies is restarted and its streams resumed, at most
+    # this many times within CORE_RESTART_WINDOW_S (0: a dead core is EngineDeadError at once).
+    max_core_restarts: int = 3
+    # A front-end of a headless core (core_address) that lost it waits this long for a core to
+    # answer on the same address again, then resumes its streams there (or EngineDeadError).
+    core_reconnect_timeout_s: float = 30.0
+    # ZeroMQ CURVE key file of a headless core (`tidal core --key-file`); required to bind a
+    # non-loopback address, and a front-end must hold the same file to connect.
+    core_key_file: str | None = None
+    # Admission control: over this many waiting requests, new ones fail at once with
+    # EngineOverloadedError (None: unlimited, as vLLM).
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -93,6 +106,12 @@ class EngineConfig(VllmConfigAttrs):
             raise ValueError(f"model_runner must be torch or null, got {self.model_runner!r}.")
         if not 0 < self.heartbeat_timeout_s <= 3600:
             raise ValueError(f"heartbeat_timeout_s must be in (0, 3600], got {self.heartbeat_timeout_s}.")
+        if self.max_core_restarts < 0:
+            raise ValueError(f"max_core_restarts must be >= 0, got {self.max_core_restarts}.")
+        if not 0 <= self.core_reconnect_timeout_s <= 3600:
+            raise ValueError(f"core_reconnect_timeout_s must be in [0, 3600], got {self.core_reconnect_timeout_s}.")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         for name, allowed in _CHOICES.items():

@@ -14,7 +14,8 @@ from tidal.frontend.arg_cli import human_readable_int
 from tidal.frontend.arg_rules import RULES, Implemented, NoOp, Refused, field_default
 
 TIDAL_EXTRAS = {"device", "worker_step_timeout_s", "engine_start_timeout_s", "heartbeat_timeout_s",
-                "core_address", "model_runner", "num_kv_blocks"}
+                "core_address", "model_runner", "num_kv_blocks", "max_core_restarts",
+                "core_reconnect_timeout_s", "core_key_file", "max_waiting_requests"}
 
 
 def test_every_vllm_arg_is_a_field_with_exactly_one_outcome() -> None:
