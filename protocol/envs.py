@@ -34,6 +34,12 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_CPU_KERNELS": _flag("TIDAL_CPU_KERNELS", True),
     # 0: linear layers use F.linear instead of oneDNN packed weights.
     "TIDAL_CPU_ONEDNN_GEMM": _flag("TIDAL_CPU_ONEDNN_GEMM", True),
+    # 1: the front-end loads transformers' tokenizer even where tokenizers' own would do (frontend/tokenizer.py).
+    "TIDAL_FULL_TOKENIZER": _flag("TIDAL_FULL_TOKENIZER", False),
+    # 0: oneDNN GEMMs run on the exact row count instead of padding it to a bucket (worker/layers/gemm.py).
+    "TIDAL_CPU_GEMM_BUCKETS": _flag("TIDAL_CPU_GEMM_BUCKETS", True),
+    # 1: each worker logs its start-up phases at WARNING (worker/startup_timer.py; scripts/bench_startup.py).
+    "TIDAL_LOG_STARTUP": _flag("TIDAL_LOG_STARTUP", False),
     # auto (by device) | torch (the reference backend everywhere).
     "TIDAL_ATTENTION_BACKEND": lambda: os.environ.get("TIDAL_ATTENTION_BACKEND", "auto"),
     # The key `tidal serve` requires as `Authorization: Bearer KEY` (--api-key wins; vLLM's VLLM_API_KEY).

@@ -12,10 +12,12 @@ repeat, so no timed prompt is ever a cache hit. Each engine is timed --repeats t
 sample is printed.
 
     python scripts/bench_offline.py [--tensor-parallel-size 2] [--num-seqs 32] [--repeats 3] [--skip-hf]
+                                    [--cold] [--half bfloat16|float16]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -48,36 +50,56 @@ def warmup_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], lis
     return [[3] + p[1:] for p in prompts], outputs
 
 
+COLD_WARMUP = ([[3, 11, 12, 13]], [4])  # --cold: one request, 4 prompt tokens, 4 output tokens
+
+
 def run_tidal(model: str, prompts: list[list[int]], outputs: list[int], tp: int, repeats: int,
-              warm: tuple[list[list[int]], list[int]]) -> tuple[list[float], dict]:
+              warm: tuple[list[list[int]], list[int]], dtype: str = "float32",
+              cold: bool = False) -> tuple[list[float], dict, float | None]:
+    """(warm times, the median warm run's timing, the cold time or None). With `cold`, the
+    first timed run follows only COLD_WARMUP, as a new user's first batch would."""
     from tidal.frontend import LLM
     from tidal.protocol import SamplingParams
 
-    llm = LLM(model=model, dtype="float32", tensor_parallel_size=tp, max_num_seqs=256,
+    llm = LLM(model=model, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=256,
               max_num_batched_tokens=4096, max_model_len=1024, seed=0)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
-    llm.generate([{"prompt_token_ids": p} for p in warm[0]],
-                 [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in warm[1]], use_tqdm=False)
-    times: list[float] = []
-    timings: list[dict] = []
-    for _ in range(repeats):
+
+    def timed_run() -> tuple[float, dict]:
         assert llm.reset_prefix_cache()
         step0, fwd0, n0 = llm.llm_engine.call_utility("get_timing")  # cumulative (step s, forward s, steps)
         t0 = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
         step1, fwd1, n1 = llm.llm_engine.call_utility("get_timing")
-        timings.append({"step_s": step1 - step0, "forward_s": fwd1 - fwd0, "steps": n1 - n0})
         got = sum(len(r.outputs[0].token_ids) for r in results)
         assert got == sum(outputs), (got, sum(outputs))
         assert all(r.num_cached_tokens == 0 for r in results), "a timed prompt hit the prefix cache"
+        return elapsed, {"step_s": step1 - step0, "forward_s": fwd1 - fwd0, "steps": n1 - n0}
+
+    def untimed(work: tuple[list[list[int]], list[int]]) -> None:
+        llm.generate([{"prompt_token_ids": p} for p in work[0]],
+                     [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in work[1]],
+                     use_tqdm=False)
+
+    cold_s = None
+    if cold:
+        untimed(COLD_WARMUP)
+        cold_s = timed_run()[0]
+    untimed(warm)
+    times: list[float] = []
+    timings: list[dict] = []
+    for _ in range(repeats):
+        elapsed, timing = timed_run()
+        times.append(elapsed)
+        timings.append(timing)
     llm.shutdown()
     median = sorted(range(repeats), key=lambda i: times[i])[repeats // 2]
-    return times, timings[median] | {"wall_s": times[median]}
+    return times, timings[median] | {"wall_s": times[median]}, cold_s
 
 
 def run_hf(model: str, prompts: list[list[int]], outputs: list[int], repeats: int,
-           warm: tuple[list[list[int]], list[int]]) -> list[float]:
+           warm: tuple[list[list[int]], list[int]], cold: bool = False) -> tuple[list[float], float | None]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -90,21 +112,27 @@ def run_hf(model: str, prompts: list[list[int]], outputs: list[int], repeats: in
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in seqs])
         return ids, mask
 
-    ids, mask = batch(prompts)
-    new = max(outputs)
-    kwargs = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad)
-    times = []
+    def gen(work: tuple[list[list[int]], list[int]]) -> float:
+        ids, mask = batch(work[0])
+        new = max(work[1])
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                          min_new_tokens=new, pad_token_id=pad)
+        assert out.shape[1] == ids.shape[1] + new
+        return time.perf_counter() - t0
+
     with torch.inference_mode():
-        w_ids, w_mask = batch(warm[0])
-        w_new = max(warm[1])
-        hf.generate(input_ids=w_ids, attention_mask=w_mask, do_sample=False, max_new_tokens=w_new,
-                    min_new_tokens=w_new, pad_token_id=pad)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            times.append(time.perf_counter() - t0)
-            assert out.shape[1] == ids.shape[1] + new
-    return times
+        cold_s = None
+        if cold:
+            gen(COLD_WARMUP)
+            cold_s = gen((prompts, outputs))
+        gen(warm)
+        times = [gen((prompts, outputs)) for _ in range(repeats)]
+    return times, cold_s
+
+
+def _runs(times: list[float]) -> str:
+    return ", ".join(f"{t:.2f}" for t in times)
 
 
 def main() -> None:
@@ -115,23 +143,30 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="an existing checkpoint (default: make one)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine; medians are compared")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cold", action="store_true",
+                    help="first time each engine after only a 4-token warm-up request (a new user's first batch), "
+                         "then warm up and time as usual")
+    ap.add_argument("--half", choices=("bfloat16", "float16"), default=None,
+                    help="also run tidal with this weight/KV dtype and compare with its float32 run")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_checkpoint(os.path.join(tmp, "qwen3-20m"))
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(model)
-        prompts, outputs = workload(args.num_seqs, cfg.vocab_size, args.seed)
-        warm = warmup_workload(args.num_seqs, cfg.vocab_size, args.seed)
+        with open(os.path.join(model, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        prompts, outputs = workload(args.num_seqs, vocab_size, args.seed)
+        warm = warmup_workload(args.num_seqs, vocab_size, args.seed)
         useful = sum(outputs)
-        times, timing = run_tidal(model, prompts, outputs, args.tensor_parallel_size, args.repeats, warm)
+        times, timing, cold_tidal = run_tidal(model, prompts, outputs, args.tensor_parallel_size, args.repeats,
+                                              warm, cold=args.cold)
         t_tidal = statistics.median(times)
         tidal_tps = useful / t_tidal
         overhead = 1.0 - timing["forward_s"] / timing["wall_s"]
         print(f"workload: {args.num_seqs} seqs, prompt tokens {sum(map(len, prompts))}, "
               f"output tokens {useful} (U[16,256] / U[16,128], ignore_eos)")
+        if cold_tidal is not None:
+            print(f"tidal cold (after one 4-token request): {cold_tidal:.2f} s, {useful / cold_tidal:,.0f} output tokens/s")
         print(f"tidal LLM.generate (tp={args.tensor_parallel_size}): median {t_tidal:.2f} s, "
-              f"{tidal_tps:,.0f} output tokens/s  (runs: {', '.join(f'{t:.2f}' for t in times)} s)")
+              f"{tidal_tps:,.0f} output tokens/s  (runs: {_runs(times)} s)")
         print(f"  engine overhead: {overhead:.1%} of wall time outside the model forward "
               f"(forward {timing['forward_s']:.2f} s, engine steps {timing['step_s']:.2f} s; "
               f"scheduling/inputs/sampling {1 - timing['forward_s'] / timing['step_s']:.1%} of step "
@@ -140,12 +175,22 @@ def main() -> None:
         print(f"  {timing['steps']} engine steps; per step outside the forward (schedule, inputs, "
               f"sampling, and with tp > 1 the broadcast to the ranks and rank 0's reply): "
               f"{per_step * 1e3:.2f} ms")
+        if args.half:
+            half_times, _, _ = run_tidal(model, prompts, outputs, args.tensor_parallel_size, args.repeats, warm,
+                                         dtype=args.half)
+            t_half = statistics.median(half_times)
+            print(f"tidal {args.half}: median {t_half:.2f} s, {useful / t_half:,.0f} output tokens/s  "
+                  f"(runs: {_runs(half_times)} s)")
+            print(f"ratio tidal {args.half} / float32: {t_tidal / t_half:.2f}x (medians)")
         if not args.skip_hf:
-            hf_times = run_hf(model, prompts, outputs, args.repeats, warm)
+            hf_times, cold_hf = run_hf(model, prompts, outputs, args.repeats, warm, cold=args.cold)
             t_hf = statistics.median(hf_times)
             hf_tps = useful / t_hf
+            if cold_tidal is not None and cold_hf is not None:
+                print(f"transformers cold (after one 4-token request): {cold_hf:.2f} s")
+                print(f"ratio tidal / transformers, cold: {cold_hf / cold_tidal:.2f}x")
             print(f"transformers generate (left-padded batch): median {t_hf:.2f} s, {hf_tps:,.0f} useful "
-                  f"output tokens/s  (runs: {', '.join(f'{t:.2f}' for t in hf_times)} s)")
+                  f"output tokens/s  (runs: {_runs(hf_times)} s)")
             print(f"ratio tidal / transformers: {tidal_tps / hf_tps:.2f}x (medians)")
     sys.stdout.flush()
 

@@ -324,6 +324,21 @@ class TorchAttentionBackend(AttentionBackend):
         flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
 
 
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On CPU the zeros come from calloc (numpy), which maps
+    fresh pages the kernel zeroes on first touch: `torch.zeros` wrote all of a 2 GiB cache at
+    start-up (~2 s), this costs nothing until a block is used. Aligned to 64 bytes (a cache
+    line) for the kernels' vector loads."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    buf = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64
+    return torch.from_numpy(buf[start: start + nbytes]).view(dtype).view(shape)
+
+
 def attention_backend_for(device: torch.device) -> AttentionBackend:
     """The backend for KV caches on `device`: on CPU the C-kernel backend (which runs the torch
     path wherever its kernels do not apply), elsewhere the torch reference (CUDA gets a Triton

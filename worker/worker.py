@@ -13,6 +13,9 @@ import torch
 from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.utils import max_useful_kv_blocks, threads_per_rank
+from tidal.worker.hf_config import load_hf_config
+from tidal.worker.layers.gemm import warm_up_gemm_buckets
+from tidal.worker.startup_timer import StartupTimer
 
 logger = logging.getLogger(__name__)
 
@@ -23,16 +26,6 @@ def resolve_device(config: EngineConfig, rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
     return torch.device("cuda", rank % torch.cuda.device_count())
-
-
-def load_hf_config(model: str):  # -> transformers.PretrainedConfig
-    from transformers import AutoConfig
-
-    if not model or not os.path.isdir(model):
-        raise ValueError(f"model directory {model!r} does not exist (tidal loads local checkpoints)")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ValueError(f"model directory {model!r} has no config.json")
-    return AutoConfig.from_pretrained(model)
 
 
 class Worker:
@@ -55,6 +48,7 @@ class Worker:
         from tidal.worker.model_runner import ModelRunner
         from tidal.worker.models.registry import get_model_class
 
+        timer = StartupTimer("python + imports")
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -78,12 +72,19 @@ class Worker:
         self.max_model_len = cfg.max_model_len or model_max
         torch.manual_seed(cfg.seed)
         self.hf_config = hf_config
+        timer.mark("config")
         self.model = load_model(cfg.model, hf_config, self.dtype, cfg.load_format, self.device, cfg.seed)
+        timer.mark("model load")
         num_blocks = self._num_kv_blocks()
         self.model_runner = ModelRunner(self.model, block_size=cfg.block_size,
                                         vocab_size=hf_config.vocab_size, device=self.device,
                                         is_driver=self.rank == 0, logprobs_mode=cfg.logprobs_mode)
         self.model_runner.bind_kv_cache(num_blocks, self.dtype)
+        timer.mark("KV allocation")
+        if self.device.type == "cpu":
+            warm_up_gemm_buckets(self.model, cfg.max_num_seqs)
+            timer.mark("warm-up")
+        timer.log(self.rank)
         return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size)
 
     def kv_bytes_per_block(self) -> int:

@@ -6,7 +6,10 @@ oneDNN with the weight reordered once into its blocked layout gives 105-157, ~20
 the same shapes (`python scripts/bench_cpu_kernels.py` prints both). vLLM's CPU backend makes the same
 choice. The packed weight replaces the dense one, so memory does not grow.
 
-Set TIDAL_CPU_ONEDNN_GEMM=0 to keep every linear layer on `F.linear`.
+Set TIDAL_CPU_ONEDNN_GEMM=0 to keep every linear layer on `F.linear`. Row counts are padded to
+buckets (gemm_bucket; TIDAL_CPU_GEMM_BUCKETS=0 turns that off) and the decode-size buckets are
+built at start-up (warm_up_gemm_buckets), so a cold batch runs as fast as a warm one and
+oneDNN's primitive cache stops growing.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class PackedWeight:
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        self.bucketed = envs.TIDAL_CPU_GEMM_BUCKETS  # read once: linear() runs per layer per step
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -74,9 +78,74 @@ def pack_if_enabled(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(weight) if onednn_gemm_enabled(weight) else None
 
 
+# Row-count buckets of the packed GEMM. oneDNN builds (and keeps) a primitive for every new
+# input shape; a cold batch meets a new row count almost every step, and under varied load the
+# cache grew by ~750 MB. Rows are padded up to the next bucket: exact up to 16, multiples of 4
+# up to _FINE_FROM, then _STEPS_PER_OCTAVE steps per octave (at most 1/_STEPS_PER_OCTAVE extra
+# rows). Padding is not free even for decode batches: on this project's 2-core AVX2 machines a
+# 9-row GEMM of these models' shapes is already compute bound (16 rows cost 1.7x of 9), hence
+# the fine steps where decode batches fall. 84 shapes per weight up to 8192 rows.
+_FINE_FROM = 64
+_STEPS_PER_OCTAVE = 8
+
+
+def gemm_bucket(rows: int) -> int:
+    """The smallest bucket >= rows (see above)."""
+    if rows <= 16:
+        return rows
+    if rows <= _FINE_FROM:
+        return -(-rows // 4) * 4
+    octave = 1 << ((rows - 1).bit_length() - 1)  # the power of two below rows
+    step = octave // _STEPS_PER_OCTAVE
+    return -(-rows // step) * step
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    padded = x.new_empty((rows, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    padded[x.shape[0]:].zero_()  # finite rows: their (discarded) products cost no denormal/NaN paths
+    return padded
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) with the packed weight when there is one, else the dense one."""
-    if packed is not None:
+    """x @ W^T (+ bias) with the packed weight when there is one, else the dense one. The packed
+    GEMM runs on rows padded to gemm_bucket (TIDAL_CPU_GEMM_BUCKETS=0: exact rows); the padding
+    rows' results are dropped, and a row's result does not depend on the other rows."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0] if x.dim() == 2 else 0
+    bucket = gemm_bucket(rows) if rows > 0 and packed.bucketed else rows
+    if bucket == rows:
         return packed.linear(x, bias)
-    return F.linear(x, weight, bias)
+    return packed.linear(_pad_rows(x, bucket), bias)[:rows]
+
+
+@torch.inference_mode()
+def warm_up_gemm_buckets(model: torch.nn.Module, max_rows: int) -> int:
+    """Build, at start-up, the oneDNN primitives of every row bucket up to gemm_bucket(max_rows)
+    (the decode batch sizes; max_rows is capped at _WARM_UP_MAX_ROWS), once per distinct weight
+    shape: primitives are keyed by shapes, so one layer's warm-up serves every layer of its shape.
+    A new user's first batch then builds none for its decode steps. Returns the GEMMs run."""
+    seen: set[tuple] = set()
+    buckets = sorted({gemm_bucket(m) for m in range(1, min(max_rows, _WARM_UP_MAX_ROWS) + 1)})
+    runs = 0
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if not isinstance(packed, PackedWeight) or not packed.bucketed:
+            continue
+        bias = getattr(module, "bias", None)
+        bias = bias if isinstance(bias, torch.Tensor) else None
+        key = (packed.shape, packed.dtype, bias is None)
+        if key in seen:
+            continue
+        seen.add(key)
+        for rows in buckets:
+            linear(torch.zeros(rows, packed.shape[1], dtype=packed.dtype), None, packed, bias)
+            runs += 1
+    return runs
+
+
+# Decode batches up to 64 rows: 28 buckets, 640 rows of GEMM per weight shape (0.1-0.3 s of
+# start-up on this project's 2-core machines). Bigger batches build their bucket once, later.
+_WARM_UP_MAX_ROWS = 64
