@@ -2,7 +2,12 @@
 
 Invariants:
 - A block is in the free queue iff its `ref_cnt == 0`. The queue is ordered by the time the
-  block was freed: `get_new_blocks` takes the least-recently-freed block first.
+  block was freed: `get_new_blocks` takes the least-recently-freed block first (the prefix
+  cache's LRU eviction). Without prefix caching (`reuse_latest_first`) it takes the most
+  recently freed block first instead: nothing cached is lost either way, and the same few
+  blocks serve request after request. Cycling through the whole pool instead would touch
+  every page of the KV cache tensors in turn (zero-filled lazily by the OS), and the core's
+  RSS would creep up by ~one block per request until the whole cache is resident.
 - A free block keeps its `block_hash` (and its entry in the hash map) until it is handed out
   again: only then is the cached prefix it holds evicted. So a freed block can still be hit.
 - `cached_block_hash_to_block[h] is b` implies `b.block_hash == h`. A hash maps to one block;
@@ -45,10 +50,11 @@ def update_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, reuse_latest_first: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
         self.num_blocks: int = num_blocks
+        self.reuse_latest_first: bool = reuse_latest_first  # see the invariants
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         # block_id -> block, in least-recently-freed-first order (front is reused first).
         self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
@@ -92,13 +98,15 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the queue's tail in the given order
-        (so the first given is evicted first)."""
+        (so the first given is evicted first), or its front with `reuse_latest_first`."""
         queue = self.free_block_queue
         for block in ordered_blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, block
             if block.ref_cnt == 0:
                 queue[block.block_id] = block
+                if self.reuse_latest_first:
+                    queue.move_to_end(block.block_id, last=False)
 
     # ------------------------------------------------------------------ prefix cache
 

@@ -17,6 +17,9 @@ Threads and sockets (a ZMQ socket is only ever used by one thread):
 * ZMTP heartbeats (set before bind, see zmq_utils.Heartbeat): a front-end whose host froze or
   vanished without a FIN loses its connection within `heartbeat_timeout_s`, and the next
   output for it fails with EHOSTUNREACH like any disconnect.
+* CURVE (a headless core with a key file, see protocol/curve.py): the ROUTER is a CURVE
+  server and a ZAP handler thread admits only the key file's client key; a front-end without
+  it never gets a message through. Binding off loopback without a key file is refused.
 * Back-pressure: `send()` blocks while _MAX_IN_FLIGHT messages are between the busy loop and the
   ROUTER. A busy loop that never blocks (null runner, tiny batches) would otherwise hold the
   GIL so that the helper threads get one socket call per GIL switch interval (5 ms): outputs
@@ -30,7 +33,7 @@ import errno
 import logging
 import queue
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import zmq
 
@@ -43,7 +46,11 @@ from tidal.protocol.messages import (
     FinishReason,
     UtilityRequest,
 )
-from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES, Heartbeat, make_socket
+from tidal.protocol.curve import check_bind_security, load_key_file, server_curve, start_authenticator
+from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES, Heartbeat, make_socket, validate_address
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +100,24 @@ class CoreIO:
     """
 
     def __init__(self, address: str, input_queue: "queue.SimpleQueue[InputItem]", *,
-                 heartbeat_timeout_s: float = 20.0) -> None:
+                 heartbeat_timeout_s: float = 20.0, key_file: str | None = None) -> None:
         self.address = address
         self.input_queue = input_queue
+        # Refused before anything starts: a wildcard (its own message), then a bind off
+        # loopback without a key; a bad key file names its problem.
+        check_bind_security(validate_address(address), key_file)
+        key = None if key_file is None else load_key_file(key_file, server=True)
         self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
         try:
+            if key is not None:  # the ZAP handler must be up before the first connection
+                self._auth = start_authenticator(self._ctx, key)
             # Linger so that the last outputs (engine_dead, final tokens) reach the front-ends
             # after close(); bounded so that a stuck peer cannot hold the core forever.
             self._router = make_socket(self._ctx, address, zmq.ROUTER, bind=True, linger_ms=3_000,
                                        heartbeat=Heartbeat(heartbeat_timeout_s),
-                                       max_message_bytes=MAX_MESSAGE_BYTES)
+                                       max_message_bytes=MAX_MESSAGE_BYTES,
+                                       curve=None if key is None else server_curve(key))
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             inproc = f"inproc://tidal-core-out-{id(self):x}"
             self._pull = self._ctx.socket(zmq.PULL)
@@ -111,6 +126,7 @@ class CoreIO:
             self._push.setsockopt(zmq.SNDHWM, 0)
             self._push.connect(inproc)
         except BaseException:
+            self._stop_auth()
             self._ctx.destroy(linger=0)
             raise
         self._out_q: "queue.SimpleQueue[tuple[bytes, EngineCoreOutputs] | None]" = queue.SimpleQueue()
@@ -141,7 +157,13 @@ class CoreIO:
         self._out_q.put(None)
         self._out_thread.join(timeout_s)
         self._io_thread.join(timeout_s)
+        self._stop_auth()  # last: only new handshakes ask it, and the ROUTER is closed now
         self._ctx.destroy(linger=0)  # the ROUTER itself was closed with its linger in the IO thread
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     # ---------------------------------------------------------------- output thread
     def _output_loop(self) -> None:

@@ -15,7 +15,10 @@ Handshake: a front-end's first call is the utility HELLO, answered with the core
 ResolvedEngineInfo; a core that fails to start answers it (and writes `--error-file`) with its
 error text. Death: an exception in the loop sends `engine_dead` to every front-end and exits
 non-zero; SIGTERM/SIGINT shut down cleanly; a spawned core exits when its parent dies
-(PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread).
+(PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread). A headless core drains on
+SIGTERM first (core/drain.py): no new requests, the ones in flight finish (bounded), then the
+same clean shutdown. A keyed core (`key_file`) serves only front-ends holding its CURVE key
+(protocol/curve.py).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from typing import Any
 import msgspec
 
 from tidal.core.core_io import GONE, CoreIO, InputItem
+from tidal.core.drain import Drain
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import (
     HELLO,
@@ -62,9 +66,11 @@ class _Shutdown(BaseException):
 
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, address: str, *, error_file: str | None = None,
-                 freeze_gc: bool = False) -> None:
-        """freeze_gc: gc.freeze() once the engine is up (only when this process is the core)."""
+                 freeze_gc: bool = False, key_file: str | None = None, drain: Drain | None = None) -> None:
+        """freeze_gc: gc.freeze() once the engine is up (only when this process is the core).
+        key_file: CURVE key file (required to bind off loopback). drain: SIGTERM drains first."""
         self.config = config
+        self.drain = drain
         self.freeze_gc = freeze_gc
         self.error_file = error_file
         self.input_queue: "queue.SimpleQueue[InputItem]" = queue.SimpleQueue()
@@ -72,7 +78,8 @@ class EngineCoreProc:
         self._clients: set[bytes] = set()  # connected identities: each hears engine_dead
         self._shutting_down = False
         # Bind first: a bad address fails at once.
-        self.io = CoreIO(address, self.input_queue, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        self.io = CoreIO(address, self.input_queue, heartbeat_timeout_s=config.heartbeat_timeout_s,
+                         key_file=key_file)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -98,6 +105,8 @@ class EngineCoreProc:
         code, dead_msg = 0, "engine core shut down"
         try:
             self._busy_loop()
+            if self.drain is not None:
+                dead_msg = self.drain.reason
         except _Shutdown as e:
             dead_msg = f"engine core shut down ({e})"
         except BaseException as e:
@@ -130,8 +139,11 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ busy loop
     def _busy_loop(self) -> None:
-        engine = self.engine
+        """Returns only when a drain is done; every other way out is an exception."""
+        engine, drain = self.engine, self.drain
         while True:
+            if drain is not None and drain.should_stop(engine):
+                return
             if not engine.has_unfinished_requests() and not self._wait_for_input():
                 continue
             self._drain()
@@ -223,6 +235,10 @@ def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: 
         proc = proc_ref[0]
         if proc is not None and proc._shutting_down:
             return  # already on the way out: let the shutdown finish
+        drain = None if proc is None or proc.engine is None else proc.drain
+        if signum == signal.SIGTERM and drain is not None and not drain.requested:
+            drain.request()  # the busy loop drains, then shuts down; a second SIGTERM is at once
+            return
         raise _Shutdown(signal.Signals(signum).name)
 
     def on_parent_signal(signum: int, _frame: Any) -> None:
@@ -239,12 +255,16 @@ def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: 
 
 
 def run_engine_core(config: EngineConfig, address: str, *, parent_pid: int | None = None,
-                    error_file: str | None = None) -> int:
-    """Serve `config` at `address` in this process until stopped; returns the exit code."""
+                    error_file: str | None = None, key_file: str | None = None,
+                    drain_timeout_s: float | None = None) -> int:
+    """Serve `config` at `address` in this process until stopped; returns the exit code.
+    drain_timeout_s: drain on SIGTERM for up to this long (headless cores; None: no drain)."""
     proc_ref: list[EngineCoreProc | None] = [None]
+    drain = None if drain_timeout_s is None else Drain(drain_timeout_s)
     try:
         _install_signal_handlers(proc_ref, parent_pid)  # exits at once if the parent is gone
-        proc_ref[0] = proc = EngineCoreProc(config, address, error_file=error_file, freeze_gc=True)
+        proc_ref[0] = proc = EngineCoreProc(config, address, error_file=error_file, freeze_gc=True,
+                                            key_file=key_file, drain=drain)
         return proc.run()
     except _Shutdown:
         return 0
@@ -257,12 +277,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, default=None)
     parser.add_argument("--error-file", default=None, help="where to write the start-up error")
     parser.add_argument("--cleanup-dir", default=None, help="directory to remove on exit")
+    parser.add_argument("--key-file", default=None, help="CURVE key file (protocol/curve.py)")
+    parser.add_argument("--drain-timeout-s", type=float, default=None,
+                        help="on SIGTERM, finish in-flight requests for up to this long first")
     args = parser.parse_args(argv)
     setup_logging("engine-core")
     code = 1
     try:
         code = run_engine_core(EngineConfig.from_json(args.config_json), args.address,
-                               parent_pid=args.parent_pid, error_file=args.error_file)
+                               parent_pid=args.parent_pid, error_file=args.error_file,
+                               key_file=args.key_file, drain_timeout_s=args.drain_timeout_s)
     except Exception as e:  # e.g. the address cannot be bound
         logger.exception("engine core failed")
         if args.error_file:

@@ -24,12 +24,14 @@ from typing import Any, Callable
 from tidal.core.executor import Executor
 from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.core.scheduler import Scheduler
+from tidal.core.structured_output import StructuredOutputManager
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ErrorKind, FinishReason
 from tidal.protocol.request_rules import RequestLimits, check_request
 from tidal.protocol.utils import summarize_exception
 
 logger = logging.getLogger(__name__)
+_GRAMMAR_POLL_S = 0.05  # longest sleep of an idle step waiting for a grammar (inputs wait meanwhile)
 
 
 def internal_id(request_id: str, client_index: ClientIndex) -> str:
@@ -56,8 +58,12 @@ class EngineCore:
             raise
         self.limits = RequestLimits(self.info.max_model_len, self.info.vocab_size, config.max_logprobs,
                                     config.scheduling_policy)
+        # Grammars of structured-output requests (xgrammar loads on the first such request).
+        self.structured_output_manager = StructuredOutputManager(config, self.info.vocab_size)
         self.apply_input = apply_input
         self._outbox: dict[ClientIndex, list[EngineCoreOutput]] = {}  # what the next step() returns
+        # Set once the core drains to shut down: every new request is refused with this text.
+        self._refusing: str | None = None
         self.forward_time_s = 0.0
         self.step_time_s = 0.0
         self.num_steps = 0
@@ -71,25 +77,53 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest, client_index: ClientIndex = None) -> None:
         """Queue a request from `client_index`; one that breaks a rule is not queued and gets an
         ERROR output instead (the front-end checked first; this guards against any client)."""
-        problem = self._check(req, client_index)
+        kind = ErrorKind.REQUEST
+        # Refused first (cheap, and an overloaded core should spend nothing on the request).
+        problem = self._refusal()
+        if problem is not None:
+            kind = ErrorKind.OVERLOADED
+        elif (problem := self._check(req, client_index)) is not None:
+            kind = ErrorKind.INVALID
         if problem is None:
             try:
                 request = Request.from_engine_core_request(req, self.info.max_model_len, client_index)
                 request.request_id = internal_id(req.request_id, client_index)
+                if req.sampling_params.structured_outputs is not None:
+                    self.structured_output_manager.grammar_init(request)  # compiles off the loop
                 self.scheduler.add_request(request)
                 return
             except Exception as e:  # a request that breaks the scheduler fails alone
                 logger.exception("add_request(%r) failed", req.request_id)
                 problem = summarize_exception(e)
-        self._emit(client_index, EngineCoreOutput(req.request_id, finish_reason=FinishReason.ERROR, error=problem))
+        self._emit(client_index, EngineCoreOutput(req.request_id, finish_reason=FinishReason.ERROR, error=problem,
+                                                  error_kind=kind))
+
+    def _refusal(self) -> str | None:
+        """Why a new request is refused before it is even checked (admission control), if it is."""
+        if self._refusing is not None:
+            return self._refusing
+        limit = self.config.max_waiting_requests
+        if limit is not None and (waiting := len(self.scheduler.waiting)) >= limit:
+            return (f"engine overloaded: {waiting} requests waiting (max_waiting_requests={limit}); "
+                    "retry later")
+        return None
+
+    def stop_accepting(self, reason: str) -> None:
+        """Refuse every new request from now on with `reason` (a draining core); the requests
+        already queued or running go on."""
+        self._refusing = reason
 
     def _check(self, req: EngineCoreRequest, client_index: ClientIndex) -> str | None:
         if internal_id(req.request_id, client_index) in self.scheduler.requests:
             return f"request id {req.request_id!r} is already running"
         if req.sampling_params.n != 1:
             return "the engine core takes n=1 requests; the front-end fans out n > 1"
-        return check_request(req.prompt_token_ids, req.sampling_params, self.limits, req.eos_token_id,
-                             req.priority)
+        resumed = req.resumed_output_token_ids
+        if resumed and req.sampling_params.max_tokens is not None and len(resumed) >= req.sampling_params.max_tokens:
+            return f"a resumed request has {len(resumed)} tokens already, max_tokens is {req.sampling_params.max_tokens}"
+        # A resumed request's tokens so far obey the prompt's rules (vocabulary, context window).
+        tokens = req.prompt_token_ids + resumed if resumed else req.prompt_token_ids
+        return check_request(tokens, req.sampling_params, self.limits, req.eos_token_id, req.priority)
 
     def abort_requests(self, request_ids: list[str], client_index: ClientIndex = None) -> None:
         """Abort those of `request_ids` that `client_index` sent and that are still running;
@@ -110,6 +144,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
 
     def _emit(self, client_index: ClientIndex, out: EngineCoreOutput) -> None:
         self._outbox.setdefault(client_index, []).append(out)
@@ -132,18 +169,48 @@ class EngineCore:
                 for client, outs in outbox.items()}
 
     def _run_step(self) -> None:
+        som = self.structured_output_manager
+        if som.has_pending():
+            self._fail_grammars(som.update_grammars())
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
+            if som.has_pending():  # nothing runs until a grammar is ready: sleep, do not spin
+                som.wait_for_grammars(_GRAMMAR_POLL_S)
             return
+        grammar_failures = som.fill_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         self.forward_time_s += runner_output.forward_time_s
         if self.apply_input is not None:
             self.apply_input()  # see the invariants: aborts that arrived meanwhile win
+        if grammar_failures:
+            self._fail_grammars(grammar_failures)  # ended before the update, which drops their tokens
+        if runner_output.failed_req_ids:
+            self._fail_requests(runner_output.failed_req_ids)
         for client, outs in self.scheduler.update_from_output(scheduler_output, runner_output).items():
             if client is not None:
                 for out in outs:
                     out.request_id = external_id(out.request_id, client)
             self._outbox.setdefault(client, []).extend(outs)
+
+    def _fail_grammars(self, failures: list[tuple[Request, str]]) -> None:
+        """Requests whose grammar could not be compiled: each ends alone with an ERROR output."""
+        for request, error in failures:
+            for r in self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
+                rid = external_id(r.request_id, r.client_index)
+                logger.warning("request %r failed: %s", rid, error)
+                self._emit(r.client_index, EngineCoreOutput(rid, finish_reason=FinishReason.ERROR,
+                                                            error=f"structured outputs: {error}",
+                                                            error_kind=ErrorKind.INVALID))
+
+    def _fail_requests(self, failures: dict[str, str]) -> None:
+        """Requests the runner could not sample (it found each culprit by retrying rows apart):
+        each ends alone with an ERROR output, and is freed before `update_from_output` runs,
+        which then skips it. One aborted meanwhile keeps its ABORT output (its one finish)."""
+        for r in self.scheduler.finish_requests(list(failures), RequestStatus.FINISHED_ERROR):
+            error = failures[r.request_id]
+            rid = external_id(r.request_id, r.client_index)
+            logger.error("request %r failed in the step and was ended alone: %s", rid, error)
+            self._emit(r.client_index, EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=error))
 
     # ------------------------------------------------------------------ utility
     def call_utility(self, method: str, args: list[Any]) -> Any:
@@ -156,4 +223,5 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

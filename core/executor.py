@@ -11,6 +11,8 @@ import json
 import os
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.utils import max_useful_kv_blocks
@@ -96,10 +98,22 @@ class NullExecutor(Executor):
         computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         computed.update((c.req_id, c.num_computed_tokens) for c in so.scheduled_cached_reqs)
         req_ids = list(so.num_scheduled_tokens)
+        grammar_rows = {rid: i for i, rid in enumerate(so.structured_output_request_ids)}
         sampled: list[list[int]] = []
         for rid in req_ids:
             end = computed[rid] + so.num_scheduled_tokens[rid]
             # Tokens 3.. of the vocabulary; deterministic in the position so a preempted and
             # recomputed request continues exactly.
-            sampled.append([3 + (end * 7919 + len(rid)) % (self.vocab_size - 3)] if end >= lens[rid] else [])
+            token = 3 + (end * 7919 + len(rid)) % (self.vocab_size - 3)
+            if rid in grammar_rows and so.grammar_bitmask is not None:  # structured outputs
+                token = _allowed_from(so.grammar_bitmask[grammar_rows[rid]], token, self.vocab_size)
+            sampled.append([token] if end >= lens[rid] else [])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def _allowed_from(words: np.ndarray, token: int, vocab_size: int) -> int:
+    """The first token at or after `token` (wrapping) that the packed bitmask row allows."""
+    allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size])
+    if not len(allowed):
+        return token
+    return int(allowed[np.searchsorted(allowed, token) % len(allowed)])

@@ -23,7 +23,8 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         self.block_size: int = block_size
         self.enable_caching: bool = enable_caching
-        self.block_pool: BlockPool = BlockPool(num_blocks)
+        # Without caching, reuse the blocks freed last (their KV pages are resident already).
+        self.block_pool: BlockPool = BlockPool(num_blocks, reuse_latest_first=not enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> number of its leading blocks already registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}

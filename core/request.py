@@ -17,9 +17,13 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from tidal.protocol.messages import EngineCoreEventType, EngineCoreRequest, FinishReason
 from tidal.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tidal.core.structured_output import StructuredOutputRequest
 
 # (EngineCoreEventType value, time.monotonic()) as carried by `EngineCoreOutput.events`.
 EngineCoreEvent = tuple[int, float]
@@ -32,6 +36,9 @@ _creation_counter = itertools.count()
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Queued like WAITING, but its structured-output grammar is still compiling: the scheduler
+    # passes over it (vLLM's WAITING_FOR_FSM).
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state (see `is_finished`).
@@ -91,6 +98,8 @@ class Request:
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids or ())
 
         self.status: RequestStatus = RequestStatus.WAITING
+        # Grammar state of a structured-output request (core/structured_output.py), else None.
+        self.structured_output_request: StructuredOutputRequest | None = None
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -108,7 +117,7 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int,
                                  client_index: ClientIndex = None) -> "Request":
-        return cls(
+        request = cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
@@ -118,6 +127,10 @@ class Request:
             client_index=client_index,
             priority=req.priority,
         )
+        if req.resumed_output_token_ids:  # resumed after a core restart: as if preempted
+            request.append_output_token_ids(list(req.resumed_output_token_ids))
+        request.num_prompt_logprobs_sent = req.num_prompt_logprobs_sent
+        return request
 
     # ------------------------------------------------------------------ tokens
 

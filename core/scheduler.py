@@ -22,6 +22,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,12 +34,16 @@ from tidal.protocol.messages import (
     CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
+    FinishReason,
     LogprobsArrays,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
+from tidal.protocol.utils import summarize_exception
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,7 +128,9 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a checked request whose id is not in use (see the invariants)."""
-        request.status = RequestStatus.WAITING
+        so = request.structured_output_request  # a grammar still compiling holds it back
+        waits = so is not None and not so.ready
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR if waits else RequestStatus.WAITING
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
         self.requests[request.request_id] = request
@@ -250,8 +257,12 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """WAITING requests in the queue's order, while blocks, budget and seats last."""
         kv = self.kv_cache_manager
+        skipped: list[Request] = []  # waiting for their grammar: passed over, put back in order
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped.append(self.waiting.pop_request())
+                continue
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if num_new_tokens > plan.token_budget:
@@ -283,6 +294,8 @@ class Scheduler:
             request.num_synced_tokens = request.num_tokens
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
+        for request in reversed(skipped):
+            self.waiting.prepend_request(request)
 
     # ------------------------------------------------------------------ update
 
@@ -291,10 +304,7 @@ class Scheduler:
     ) -> dict[ClientIndex, list[EngineCoreOutput]]:
         """Apply a step's results; returns the outputs of the requests that advanced, grouped
         by the front-end each goes to (`Request.client_index`)."""
-        kv = self.kv_cache_manager
         sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        logprobs = runner_output.logprobs
-        prompt_logprobs = runner_output.prompt_logprobs
         outputs: dict[ClientIndex, list[EngineCoreOutput]] = {}
         any_finished = False
 
@@ -302,39 +312,59 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended (e.g. aborted) after it was scheduled
-            start = request.num_computed_tokens
-            request.num_computed_tokens = start + num_tokens
-            if start < request.num_prompt_tokens:
-                self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - start
-            kv.cache_blocks(request, request.num_computed_tokens)
-
-            new_token_ids = sampled_by_id.get(request_id) or []
-            if new_token_ids:
-                new_token_ids = self._append_and_check_stop(request, new_token_ids)
-            new_prompt_logprobs = prompt_logprobs.get(request_id)
-            if new_prompt_logprobs is not None:
-                new_prompt_logprobs = _unsent_prompt_logprobs(request, start, new_prompt_logprobs)
-            if not new_token_ids and new_prompt_logprobs is None:
+            try:
+                output = self._update_request(request, num_tokens, sampled_by_id.get(request_id) or [],
+                                              runner_output)
+            except Exception as e:  # this request's state broke: it fails alone, the step goes on
+                output = self._fail_in_update(request, e)
+            if output is None:
                 continue
-            finish_reason = request.get_finished_reason()
-            if finish_reason is not None:
-                any_finished = True
-                self._free_request(request)
-            outputs.setdefault(request.client_index, []).append(
-                EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=logprobs.get(request_id) if new_token_ids else None,
-                    new_prompt_logprobs=new_prompt_logprobs,
-                    finish_reason=finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    events=request.take_events(),
-                )
-            )
+            any_finished |= output.finish_reason is not None
+            outputs.setdefault(request.client_index, []).append(output)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _update_request(self, request: Request, num_tokens: int, new_token_ids: list[int],
+                        runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        """Apply one request's share of a step; its output, or None when it has nothing new."""
+        request_id = request.request_id
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_tokens
+        if start < request.num_prompt_tokens:
+            self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - start
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+
+        if new_token_ids:
+            new_token_ids = self._append_and_check_stop(request, new_token_ids)
+        new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+        if new_prompt_logprobs is not None:
+            new_prompt_logprobs = _unsent_prompt_logprobs(request, start, new_prompt_logprobs)
+        if not new_token_ids and new_prompt_logprobs is None:
+            return None
+        finish_reason = request.get_finished_reason()
+        if finish_reason is not None:
+            self._free_request(request)
+        return EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=runner_output.logprobs.get(request_id) if new_token_ids else None,
+            new_prompt_logprobs=new_prompt_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            events=request.take_events(),
+        )
+
+    def _fail_in_update(self, request: Request, e: Exception) -> EngineCoreOutput:
+        """End a request whose update raised with an ERROR output; its state may be half
+        updated, so none of it is reported, and its blocks are freed (not cached further)."""
+        error = f"building this request's output failed: {summarize_exception(e)}"
+        logger.error("request %r failed in the step and was ended alone: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ERROR
+        if request.request_id in self.requests:  # not freed before it raised
+            self._free_request(request)
+        return EngineCoreOutput(request.request_id, finish_reason=FinishReason.ERROR, error=error)
 
     def _append_and_check_stop(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens one by one until a stop; returns those kept."""
@@ -343,6 +373,10 @@ class Scheduler:
             request.append_output_token_ids(token_id)
             self.num_generation_tokens += 1
             num_output = request.num_output_tokens
+            if (so := request.structured_output_request) is not None:
+                so.accept_token(token_id)  # ValueError (the request fails alone) if the grammar forbids it
+                if so.is_terminated():  # the grammar reached its end (on a stop token)
+                    request.status = RequestStatus.FINISHED_STOPPED
             if num_output >= sp.min_tokens:
                 if token_id == request.eos_token_id and not sp.ignore_eos:
                     request.status = RequestStatus.FINISHED_STOPPED

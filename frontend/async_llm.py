@@ -96,6 +96,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         self._tag = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self._resumed: asyncio.Event | None = None  # set while paused; set() on resume
+        self._restart: asyncio.Task[None] | None = None  # replacing a lost core (_restart_core)
         self.log_requests = log_requests
         self._start(config, AsyncMPClient, stat_loggers or ())
         # Weakly: the client's watcher thread must not keep this engine alive (and its __del__,
@@ -108,6 +109,14 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
                 engine._in_loop(engine._fail_streams, exc)
 
         self.engine_core.add_dead_callback(on_dead)
+
+        def on_lost(reason: str) -> None:  # from the watcher thread or the handler
+            engine = ref()
+            if engine is not None:
+                engine._in_loop(engine._begin_restart, reason)
+
+        self.engine_core.add_lost_callback(on_lost)
+        self.engine_core.resumable = True
 
     # ------------------------------------------------------------------ status
     @property
@@ -265,6 +274,12 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
     # ---------------------------------------------------------- output handler
     def _ensure_handler(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.engine_core.lost is not None:
+            # Lost while no loop was there to hear of it: replace it now (the restart task
+            # starts the handler when it is done).
+            self._loop, self._loop_thread = loop, threading.get_ident()
+            self._begin_restart(self.engine_core.lost)
+            return
         if self._handler is not None and not self._handler.done() and self._loop is loop:
             return
         # First use, or a new event loop (the old one is gone, and its task with it).
@@ -276,6 +291,8 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         try:
             while True:
                 outs = await client.get_output_async()
+                if client.lost is not None:
+                    return  # the restart task takes over (and starts a new handler)
                 it = self._new_iteration()  # one per core message, across its slices
                 outputs = outs.outputs
                 n = len(outputs)
@@ -295,7 +312,43 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
             pass  # the client marked itself dead; its dead callback told every stream
         except Exception as e:
             logger.exception("AsyncLLM output handler failed")
-            client.mark_dead(f"the front-end output handler failed: {type(e).__name__}: {e}")
+            client.mark_dead(f"the front-end output handler failed: {type(e).__name__}: {e}",
+                             restartable=False)  # a new core would not fix this front-end
+
+    # ----------------------------------------------------------------- restart
+    def _begin_restart(self, reason: str) -> None:
+        """In the loop's thread, when the client lost its core: stop the handler and start
+        the task that replaces the core and resumes every open stream."""
+        if self.engine_core.lost is None or (self._restart is not None and not self._restart.done()):
+            return
+        handler = self._handler
+        if handler is not None and not handler.done() and handler is not asyncio.current_task():
+            handler.cancel()
+        self._restart = asyncio.get_running_loop().create_task(self._restart_core(handler),
+                                                               name="tidal-core-restart")
+
+    async def _restart_core(self, handler: asyncio.Task[None] | None) -> None:
+        client = self.engine_core
+        if handler is not None and handler is not asyncio.current_task():
+            # The handler returns or is cancelled at its next await; never wait on it forever.
+            await asyncio.wait([handler], timeout=5.0)
+        client.fail_pending_utilities(RuntimeError("the utility call was interrupted: the engine core "
+                                                   f"was lost ({client.lost}) and is being restarted"))
+        client.close_lost_socket()
+        try:
+            await asyncio.to_thread(client.reconnect)
+        except EngineDeadError:
+            return  # its dead callback failed every stream
+        client.reopen_async_view()
+        give_up = self._resume_requests()
+        client.resumed()
+        if give_up:
+            it = self._new_iteration()
+            self._process_outputs(give_up, None, it)
+            self._record_iteration(None, it)
+        self._handler = None
+        if not self._closed:
+            self._ensure_handler()
 
     def _in_loop(self, fn: Callable[[EngineDeadError], None], exc: EngineDeadError) -> None:
         """Run `fn(exc)` on the event loop's thread: now if this is it, else as soon as the loop
@@ -322,6 +375,10 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._check_alive()
         self._ensure_handler()  # it reads the reply
+        if (restart := self._restart) is not None and not restart.done():
+            # Bounded by the restart's own handshake timeout (engine_start_timeout_s).
+            await asyncio.shield(restart)
+            self._check_alive()
         return await self.engine_core.call_utility_async(method, *args)
 
     async def get_stats(self) -> SchedulerStats:

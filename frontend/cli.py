@@ -1,8 +1,10 @@
-"""`tidal` command line: generate | serve | core | make-model.
+"""`tidal` command line: generate | serve | core | core-keygen | make-model.
 
     tidal generate [--model DIR] [--prompt TEXT] [--max-tokens N] [--temperature T] [--seed S] [engine args]
     tidal serve [MODEL] [--host H] [--port P] [--api-key K] [--chat-template FILE] [engine args]
-    tidal core MODEL [--address tcp://127.0.0.1:PORT | ipc:///path] [engine args]
+    tidal core MODEL [--address tcp://127.0.0.1:PORT | ipc:///path] [--key-file FILE]
+               [--drain-timeout-s S] [engine args]
+    tidal core-keygen FILE    (a CURVE key file for `tidal core --key-file` and its front-ends)
     tidal make-model DIR [--arch qwen3|llama|qwen2|mistral] [--hidden-size ...] ...
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tidal.frontend.engine_args import EngineArgs, config_from_args
 from tidal.protocol.utils import setup_logging
 
 DEFAULT_CORE_ADDRESS = "tcp://127.0.0.1:5570"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # core/drain.py's (not imported here: the CLI starts fast)
 DEFAULT_PROMPT = "Hello, my name is"
 # make-model's int options: each a --flag and a make_model keyword of the same name.
 _MAKE_MODEL_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -69,13 +72,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_core(args: argparse.Namespace) -> int:
     from tidal.core.core_proc import run_engine_core
+    from tidal.protocol.curve import check_bind_security, load_key_file
     from tidal.protocol.zmq_utils import validate_address
 
+    # Every refusal before the model loads: a wildcard, a bind off loopback without a key, a
+    # key file that is unreadable, malformed or readable by others.
     address = validate_address(args.address)
+    check_bind_security(address, args.key_file)
+    if args.key_file is not None:
+        load_key_file(args.key_file, server=True)
+    if args.drain_timeout_s < 0:
+        raise ValueError(f"--drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
     config = config_from_args(args, model=args.model)
     logging.getLogger("tidal").setLevel(logging.INFO)
-    print(f"tidal engine core: loading {args.model}; will serve at {address}", file=sys.stderr, flush=True)
-    return run_engine_core(config, address)
+    keyed = " (CURVE-keyed)" if args.key_file else ""
+    print(f"tidal engine core: loading {args.model}; will serve at {address}{keyed}", file=sys.stderr, flush=True)
+    return run_engine_core(config, address, key_file=args.key_file, drain_timeout_s=args.drain_timeout_s)
+
+
+def _cmd_core_keygen(args: argparse.Namespace) -> int:
+    from tidal.protocol.curve import generate_key_file
+
+    generate_key_file(args.file)
+    print(f"wrote {os.path.abspath(args.file)} (mode 600): pass it as `tidal core --key-file` and as "
+          "core_key_file to the front-ends", file=sys.stderr)
+    return 0
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -113,8 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("model")
     core.add_argument("--address", default=DEFAULT_CORE_ADDRESS,
                       help="tcp://HOST:PORT (an explicit interface, never a wildcard) or ipc:///path")
-    EngineArgs.add_cli_args(core, exclude=frozenset({"model"}))
+    core.add_argument("--key-file", "--core-key-file", dest="key_file", default=None,
+                      help="CURVE key file (`tidal core-keygen FILE`): only front-ends holding it are "
+                           "served; required to bind an address other than loopback")
+    core.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                      help="on SIGTERM, refuse new requests and let those in flight finish for up to "
+                           "this long before exiting (a second SIGTERM exits at once)")
+    EngineArgs.add_cli_args(core, exclude=frozenset({"model", "core_key_file"}))
     core.set_defaults(func=_cmd_core)
+
+    keygen = sub.add_parser("core-keygen", help="write a new CURVE key file for a keyed headless core")
+    keygen.add_argument("file", help="where to write it (must not exist; written with mode 600)")
+    keygen.set_defaults(func=_cmd_core_keygen)
 
     mk = sub.add_parser("make-model", help="write a tiny random HF checkpoint + tokenizer")
     mk.add_argument("dir")

@@ -39,12 +39,16 @@ def _stop_process(proc: subprocess.Popen, ipc_dir: IpcDir, grace_s: float) -> No
 class CoreProcess:
     """An engine-core process spawned by this front-end, serving at `self.address` (ipc)."""
 
+    # What follows the interpreter on the command line; tests swap in a script that runs the
+    # same core with a fault injected, so the production path carries no test branch.
+    core_entry: tuple[str, ...] = ("-m", "tidal.core.core_proc")
+
     def __init__(self, config: EngineConfig) -> None:
         self.ipc_dir = IpcDir()
         self.address = self.ipc_dir.address("core")
         self.error_file = os.path.join(self.ipc_dir.path, "start-error")
         cmd = [
-            sys.executable, "-m", "tidal.core.core_proc",
+            sys.executable, *self.core_entry,
             "--address", self.address,
             "--config-json", config.to_json().decode(),
             "--parent-pid", str(os.getpid()),

@@ -10,6 +10,7 @@ from tidal.frontend.core_client import AsyncMPClient, InprocClient, SyncMPClient
 from tidal.frontend.input_processor import InputProcessor
 from tidal.frontend.metrics_stats import IterationStats, StatLoggerBase
 from tidal.frontend.output_processor import OutputProcessor, RequestOutputCollector
+from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
 from tidal.protocol.config_views import ModelConfig, resolved_dtype_name
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -110,6 +111,18 @@ class FrontEnd(Generic[C]):
             self.output_processor.remove_request(request.request_id)
             raise
 
+    def _resume_requests(self) -> list[EngineCoreOutput]:
+        """A new engine core replaced a lost one (the client's reconnect()): send it every open
+        request, resuming where its stream is; returns ERROR outputs for the requests given up
+        (see OutputProcessor.resume_after_crash), to be processed like any core output."""
+        resend, give_up = self.output_processor.resume_after_crash()
+        self.engine_core.resubmit(resend)
+        if self.metrics is not None:
+            self.metrics.record_core_restart()
+        logger.warning("resumed %d request(s) on the restarted engine core%s", len(resend),
+                       f"; gave up on {len(give_up)} in flight during repeated failures" if give_up else "")
+        return give_up
+
     def _new_iteration(self) -> IterationStats | None:
         """What one core message's outputs feed when stats are on (see _record_iteration)."""
         return None if self.metrics is None else IterationStats()
@@ -182,9 +195,20 @@ def load_tokenizer(config: EngineConfig) -> Any:
                                                             "tokenizer.model", "vocab.json")):
         raise ValueError(f"no tokenizer files in {path!r}; pass tokenizer=... to name another directory")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings from the Rust pool
-    from transformers import AutoTokenizer
 
-    # As vLLM: the tokenizer's revision defaults to the model's.
-    revision = config.tokenizer_revision or config.revision
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code, revision=revision,
-                                         use_fast=config.tokenizer_mode != "slow")
+    def load_full() -> Any:
+        from transformers import AutoTokenizer  # ~1.5 s of imports, torch among them
+
+        # As vLLM: the tokenizer's revision defaults to the model's.
+        revision = config.tokenizer_revision or config.revision
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code, revision=revision,
+                                             use_fast=config.tokenizer_mode != "slow")
+
+    if config.tokenizer_mode != "slow" and os.path.isdir(path) and not envs.TIDAL_FULL_TOKENIZER:
+        from tidal.frontend.tokenizer import load_lean_tokenizer
+
+        # The same Rust tokenizer without importing transformers (see frontend/tokenizer.py).
+        lean = load_lean_tokenizer(path, load_full)
+        if lean is not None:
+            return lean
+    return load_full()

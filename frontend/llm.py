@@ -13,6 +13,7 @@ import functools
 import itertools
 import time
 import uuid
+import weakref
 from typing import Any, Sequence
 
 from tidal.frontend.beam_search import beam_search
@@ -49,6 +50,12 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:12]
         self._start(config, SyncMPClient if multiprocessing else InprocClient)
+        if isinstance(self.engine_core, SyncMPClient):
+            # A lost core is replaced inside the wait that notices it, which then resubmits
+            # through this (weakly: the client must not keep this LLM alive).
+            resume = weakref.WeakMethod(self._resume_requests)
+            self.engine_core.resume_callback = lambda: (resume() or list)()
+            self.engine_core.resumable = True
 
     # ------------------------------------------------------------------ public
     def get_tokenizer(self) -> Any:

@@ -175,6 +175,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_prefix_cache_hits = self._counter(
             "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.counter_preemptions = self._counter("num_preemptions", "Cumulative number of preemptions by the engine.")
+        # tidal's own: the engine core died and was replaced, its requests resumed
+        self.counter_core_restarts = self._counter("num_core_restarts",
+                                                   "Cumulative number of engine-core restarts.")
 
     def _make_token_metrics(self, token_buckets: list[int]) -> None:
         self.counter_prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -291,6 +294,9 @@ class EngineMetrics:
         and with `scheduler_stats=None` for requests finished outside a step (user aborts)."""
         for stat_logger in self.loggers:
             stat_logger.record(scheduler_stats, iteration_stats)
+
+    def record_core_restart(self) -> None:
+        self.prometheus.counter_core_restarts.inc()
 
     def log(self) -> None:
         """Every logger's periodic output now (vLLM's `do_log_stats()`)."""

@@ -13,11 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
+import msgspec
+
 from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulator, TokenTexts
 from tidal.frontend.metrics_stats import IterationStats
 from tidal.frontend.parallel_sampling import ParentRequest
-from tidal.protocol.errors import EngineGenerateError
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from tidal.protocol.errors import EngineGenerateError, EngineOverloadedError, InvalidRequestError
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, ErrorKind, FinishReason
 from tidal.protocol.outputs import CompletionOutput, RequestOutput, RequestStateStats
 from tidal.protocol.sampling_params import RequestOutputKind
 
@@ -27,6 +29,11 @@ _FINISH_STR = {r: str(r) for r in FinishReason}
 _STOP_STR = str(FinishReason.STOP)
 _NO_LOGPROBS: tuple[None, None] = (None, None)
 _MAX_AWAITING = 4096
+# Refused at admission (queue full, core draining) or as invalid: classes of their own, so
+# callers (and the server's 503 / 400) can tell "retry later" and "fix the request" from a
+# request that failed.
+_ERROR_CLASS: dict[ErrorKind, type[EngineGenerateError]] = {
+    ErrorKind.OVERLOADED: EngineOverloadedError, ErrorKind.INVALID: InvalidRequestError}
 
 
 class RequestOutputCollector:
@@ -104,7 +111,8 @@ class RequestState:
 
     __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
                  "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
-                 "text", "text_parts", "token_ids")
+                 "text", "text_parts", "token_ids", "core_request", "generated", "num_prompt_lp_rows",
+                 "progress_mark", "crash_streak")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
                  index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
@@ -123,12 +131,24 @@ class RequestState:
         self.text = ""  # released text (CUMULATIVE)
         self.text_parts: list[str] = []  # released text (FINAL_ONLY: joined once)
         self.token_ids: list[int] = []  # all output ids (not kept for DELTA)
+        # For a resubmission after a core restart (OutputProcessor.resume_after_crash): what
+        # was sent, every token the core generated so far, the prompt-logprob rows received,
+        # len(generated) when it was last sent, and the crashes in a row it made no progress in.
+        self.core_request = request
+        self.generated: list[int] = []
+        self.num_prompt_lp_rows = 0
+        self.progress_mark = 0
+        self.crash_streak = 0
 
     def update(self, out: EngineCoreOutput, step: "_Step | None" = None) -> CompletionOutput | None:
         """Apply one core output (of the core message `step`, whose IterationStats it feeds when
         stats are on); returns the completion to emit, if any. A finished completion for an
         output the core did not finish was ended by a stop string, here."""
         new_ids, finish = out.new_token_ids, out.finish_reason
+        if new_ids:
+            self.generated.extend(new_ids)
+        if out.new_prompt_logprobs is not None:
+            self.num_prompt_lp_rows += len(out.new_prompt_logprobs.ranks)
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
         text, stop_str = self.detokenizer.step(new_ids, finish)
@@ -276,11 +296,8 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted, or unknown
             if out.finish_reason is not None and out.finish_reason == FinishReason.ERROR:
-                self._finished(state, "error", step)
-                self._drop(state)
-                exc = EngineGenerateError(out.error or f"request {state.external_req_id} failed")
-                exc.request_id = state.external_req_id  # type: ignore[attr-defined]
-                state.queue.put(exc) if state.queue is not None else request_outputs.append(exc)
+                self._fail(state, out.error or f"request {state.external_req_id} failed", step,
+                           request_outputs, _ERROR_CLASS.get(out.error_kind, EngineGenerateError))
                 continue
             completion = state.update(out, step)
             if completion is None:
@@ -293,6 +310,39 @@ class OutputProcessor:
                 else:
                     self._drop(state)
         return result
+
+    def _fail(self, state: RequestState, message: str, step: _Step | None,
+              request_outputs: list[RequestOutput | Exception],
+              error_class: type[EngineGenerateError] = EngineGenerateError) -> None:
+        self._finished(state, "error", step)
+        self._drop(state)
+        exc = error_class(message)
+        exc.request_id = state.external_req_id  # type: ignore[attr-defined]
+        state.queue.put(exc) if state.queue is not None else request_outputs.append(exc)
+
+    def resume_after_crash(self) -> tuple[list[EngineCoreRequest], list[EngineCoreOutput]]:
+        """The engine core died and a new one runs: the requests to send it, each resuming
+        where its stream is (the tokens generated so far go as `resumed_output_token_ids`, the
+        prompt-logprob rows received are not sent again), and an ERROR output for each request
+        given up: one that made no progress across two crashes in a row (the likely cause of
+        both) is not resubmitted again. What the lost core had sent after the last message
+        read here is generated again, identically (sampling is a function of seed and
+        position)."""
+        self._awaiting_final.clear()  # the old core's final outputs will never come
+        resend: list[EngineCoreRequest] = []
+        give_up: list[EngineCoreOutput] = []
+        for state in self.request_states.values():
+            progressed = len(state.generated) > state.progress_mark
+            state.crash_streak = 0 if progressed else state.crash_streak + 1
+            if state.crash_streak >= 2:
+                give_up.append(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ERROR,
+                                                error="request was in flight during repeated engine failures"))
+                continue
+            state.progress_mark = len(state.generated)
+            resend.append(msgspec.structs.replace(
+                state.core_request, resumed_output_token_ids=list(state.generated),
+                num_prompt_logprobs_sent=state.num_prompt_lp_rows))
+        return resend, give_up
 
     def _emit(self, state: RequestState, completion: CompletionOutput,
               request_outputs: list[RequestOutput | Exception]) -> None:

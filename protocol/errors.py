@@ -10,3 +10,18 @@ class EngineDeadError(RuntimeError):
 
 class EngineGenerateError(RuntimeError):
     """A failure scoped to one request; the engine keeps serving the others."""
+
+
+class InvalidRequestError(EngineGenerateError, ValueError):
+    """The engine core refused the request as invalid: a rule only the core can check (a
+    structured-outputs grammar that does not compile, say) or one a front-end let through. A
+    ValueError, as the front-end's own checks raise (the OpenAI server answers 400), and an
+    EngineGenerateError: the engine keeps serving the others."""
+
+
+class EngineOverloadedError(EngineGenerateError):
+    """The engine refused a new request at once, without queueing it: its waiting queue is full
+    (`max_waiting_requests`) or its core is draining to shut down. Nothing ran, so retrying
+    later (or on another engine) may succeed; the OpenAI server answers 503 with Retry-After.
+    A subclass of EngineGenerateError (a failure scoped to one request: the engine keeps
+    serving), so code that catches that still catches this; catch this first to tell them apart."""

@@ -28,6 +28,18 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class ErrorKind(enum.IntEnum):
+    """What an ERROR output means to the front-end (`EngineCoreOutput.error_kind`)."""
+
+    REQUEST = 0  # this request failed (EngineGenerateError); the engine serves on
+    # Refused at admission, nothing queued: waiting queue full or core draining. Retrying
+    # later may succeed (EngineOverloadedError; HTTP 503 with Retry-After).
+    OVERLOADED = 1
+    # The core refused the request as invalid (a rule the front-end could not check, such as a
+    # grammar that does not compile): InvalidRequestError, a ValueError; HTTP 400.
+    INVALID = 2
+
+
 class EngineCoreRequestType(bytes, enum.Enum):
     """First frame of every front-end -> core message."""
 
@@ -48,6 +60,12 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0  # scheduling_policy="priority": lower runs first (vLLM's convention)
+    # A request resumed on a restarted core (front-end fault tolerance): the tokens it had
+    # generated before the crash. The core takes them as outputs already sampled (as after a
+    # preemption), so its budget, penalties, seeds (a pure function of position) and stop
+    # checks go on exactly where they were.
+    resumed_output_token_ids: list[int] = []
+    num_prompt_logprobs_sent: int = 0  # prompt-logprob rows the front-end has (not sent again)
 
 
 # An argument of a utility call: scalars only (no utility takes a container), so that an
@@ -107,6 +125,7 @@ class EngineCoreOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     num_cached_tokens: int = 0
     events: list[tuple[int, float]] | None = None
     error: str | None = None  # with finish_reason ERROR: what went wrong for this request
+    error_kind: ErrorKind = ErrorKind.REQUEST  # with finish_reason ERROR: see ErrorKind
 
     @property
     def finished(self) -> bool:
@@ -202,6 +221,11 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     total_num_scheduled_tokens: int = 0
     # Requests whose runner state must be dropped (finished, aborted or preempted) before this step.
     finished_req_ids: list[str] = []
+    # Structured outputs: the constrained requests that sample this step, and row i of
+    # `grammar_bitmask` [len(ids), ceil(vocab / 32)] int32 is the packed set of tokens request
+    # ids[i] may sample (bit t % 32 of word t // 32). Unconstrained rows are not in it.
+    structured_output_request_ids: list[str] = []
+    grammar_bitmask: np.ndarray | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
@@ -212,3 +236,6 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     prompt_logprobs: dict[str, LogprobsArrays] = {}
     # Wall seconds the model forward took (the engine reports its own overhead beside it).
     forward_time_s: float = 0.0
+    # Requests whose sampling failed this step (found by retrying the batch's rows apart),
+    # req_id -> error summary: the core fails each alone; the others' results stand.
+    failed_req_ids: dict[str, str] = {}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tidal.protocol.structured_outputs import StructuredOutputsParams
 from tidal.protocol.utils import GREEDY_EPS
 
 
@@ -76,6 +77,8 @@ class SamplingParams(
     bad_words: list[str] | None = None  # never completed in the output (see bad_words_token_ids)
     # Set by the front-end from bad_words (both with and without a leading space, as vLLM does).
     _bad_words_token_ids: list[list[int]] | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar; the core compiles it with xgrammar).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,7 +112,7 @@ class SamplingParams(
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         logit_bias: dict[int, float] | dict[str, float] | None = None,
         allowed_token_ids: list[int] | None = None, extra_args: dict[str, Any] | None = None,
-        flat_logprobs: bool = False,
+        flat_logprobs: bool = False, structured_outputs: StructuredOutputsParams | None = None,
     ) -> "SamplingParams":
         """vLLM's constructor for API servers: None means "the default" for n, the penalties,
         temperature and top_p; the rest pass through (max_tokens=None: up to the context)."""
@@ -127,7 +130,7 @@ class SamplingParams(
             spaces_between_special_tokens=spaces_between_special_tokens,
             truncate_prompt_tokens=truncate_prompt_tokens, output_kind=output_kind,
             logit_bias=logit_bias, allowed_token_ids=allowed_token_ids,  # type: ignore[arg-type]
-            extra_args=extra_args, flat_logprobs=flat_logprobs)
+            extra_args=extra_args, flat_logprobs=flat_logprobs, structured_outputs=structured_outputs)
 
     @property
     def bad_words_token_ids(self) -> list[list[int]] | None:
@@ -166,6 +169,9 @@ class SamplingParams(
                                   else _int_list("allowed_token_ids", self.allowed_token_ids))
         if type(self.output_kind) is not RequestOutputKind:
             self.output_kind = _output_kind(self.output_kind)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}.")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}.")
 

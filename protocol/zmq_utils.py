@@ -12,9 +12,12 @@ import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import zmq
+
+if TYPE_CHECKING:
+    from tidal.protocol.curve import Curve
 
 LOOPBACK = "127.0.0.1"
 
@@ -105,9 +108,11 @@ class Heartbeat:
 def make_socket(
     ctx: zmq.Context, address: str, socket_type: int, *, bind: bool, identity: bytes | None = None,
     linger_ms: int = 0, heartbeat: Heartbeat | None = None, max_message_bytes: int | None = None,
+    curve: Curve | None = None,
 ) -> zmq.Socket:
     """Every option is set before bind/connect: libzmq applies options to a connection when
-    it is made, so one set afterwards never reaches it."""
+    it is made, so one set afterwards never reaches it. `curve`: CURVE security (see
+    protocol/curve.py), server side when binding a keyed core, client side when connecting."""
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
@@ -120,6 +125,8 @@ def make_socket(
             heartbeat.apply(sock)
         if max_message_bytes is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if curve is not None:
+            curve.apply(sock)
         if bind:
             sock.bind(validate_address(address))
         else:

@@ -3,7 +3,7 @@ helpers for the process tests (engine-core children, ipc directories)."""
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import psutil
 import pytest
@@ -68,3 +68,17 @@ def no_leaked_cores() -> Iterator[None]:
 def ipc_dir_of(address: str) -> str:
     assert address.startswith("ipc://"), address
     return os.path.dirname(address[len("ipc://"):])
+
+
+async def count_stream_tokens(engine: Any, rid: str, max_tokens: int, started: Any = None) -> int:
+    """Stream one ignore_eos request for prompt "abc" through an AsyncLLM; returns how many
+    tokens came. `started` (an asyncio.Event) is set at the first output."""
+    from tidal.protocol import RequestOutputKind, SamplingParams
+
+    n = 0
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    async for out in engine.generate("abc", params, rid):
+        n += len(out.outputs[0].token_ids)
+        if started is not None:
+            started.set()
+    return n

@@ -6,13 +6,20 @@
 receives its STEP-th step (1-based); "RANK:STEP:hang" makes it stop answering instead. The
 fault wraps `Worker.execute_model`, which the worker loop calls once per step, so the
 production loop carries no test branch.
+
+Per-request faults (tests/test_isolation.py): `use_sampling_fault(monkeypatch, TOKEN)` makes
+`ModelRunner._sample` raise for any batch that samples a request whose prompt holds TOKEN (as
+a request whose index broke the sampler would), and `use_update_fault(monkeypatch, TOKEN)` makes
+the scheduler's per-request update raise for such a request. For an engine core in a process
+of its own, `python tests/fault_injection.py core:sample:TOKEN <core_proc arguments>` runs
+`tidal.core.core_proc` with the sampling fault installed (`core_command`).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -29,6 +36,47 @@ def use_faulty_workers(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
     from tidal.core.multiproc_executor import MultiprocExecutor
 
     monkeypatch.setattr(MultiprocExecutor, "worker_entry", worker_entry(spec))
+
+
+def faulty_sample(sample: Callable[..., None], token_id: int) -> Callable[..., None]:
+    """`ModelRunner._sample` that raises when a sampled row's prompt holds `token_id`."""
+
+    def _sample(self: Any, batch: Any, logits: Any, out: ModelRunnerOutput) -> None:
+        for i in batch.sample_rows:
+            st = self.requests[batch.req_ids[i]]
+            if token_id in st.token_ids[: st.num_prompt_tokens]:
+                raise IndexError(f"injected sampling failure (a prompt holds token {token_id})")
+        sample(self, batch, logits, out)
+
+    return _sample
+
+
+def use_sampling_fault(monkeypatch: pytest.MonkeyPatch, token_id: int) -> None:
+    from tidal.worker.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_sample", faulty_sample(ModelRunner._sample, token_id))
+
+
+def use_update_fault(monkeypatch: pytest.MonkeyPatch, token_id: int) -> None:
+    """The scheduler's stop check (run while building a request's output) raises for a request
+    whose prompt holds `token_id`, after the first token was appended to it."""
+    from tidal.core.scheduler import Scheduler
+
+    check = Scheduler._append_and_check_stop
+
+    def _append_and_check_stop(self: Scheduler, request: Any, token_ids: list[int]) -> list[int]:
+        kept = check(self, request, token_ids)
+        if token_id in request.prompt_token_ids:
+            raise KeyError(f"injected update failure (a prompt holds token {token_id})")
+        return kept
+
+    monkeypatch.setattr(Scheduler, "_append_and_check_stop", _append_and_check_stop)
+
+
+def core_command(token_id: int) -> list[str]:
+    """argv prefix of an engine-core process with the sampling fault for `token_id` (append
+    core_proc's own arguments)."""
+    return [sys.executable, os.path.abspath(__file__), f"core:sample:{token_id}"]
 
 
 def install(spec: str, rank: int) -> None:
@@ -57,6 +105,14 @@ def main(argv: list[str]) -> None:
     from tidal.worker import worker_proc
 
     spec, args = argv[0], argv[1:]
+    if spec.startswith("core:sample:"):
+        from tidal.core import core_proc
+        from tidal.worker.model_runner import ModelRunner
+
+        token_id = int(spec.rsplit(":", 1)[1])
+        ModelRunner._sample = faulty_sample(ModelRunner._sample, token_id)  # type: ignore[method-assign]
+        core_proc.main(args)  # exits
+        return
     install(spec, int(args[args.index("--rank") + 1]))
     worker_proc.main(args)  # never returns: the worker ends with os._exit
 

@@ -228,7 +228,8 @@ def test_start_timeout_when_nobody_answers(long_model_dir: str) -> None:
 
 
 async def test_sigterm_is_a_clean_shutdown(long_model_dir: str) -> None:
-    engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=65536, max_num_seqs=4)
+    engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=65536, max_num_seqs=4,
+                      max_core_restarts=0)  # the core's own reason reaches the streams
     proc = engine.engine_core.process
     ipc_dir = ipc_dir_of(engine.engine_core.address)
     try:
@@ -291,7 +292,8 @@ async def test_busy_loop_exception_reaches_every_stream(tmp_path: Any, long_mode
     exit_code: list[int] = []
     thread = threading.Thread(target=lambda: exit_code.append(proc.run()), daemon=True)
     thread.start()
-    engine = AsyncLLM(model=long_model_dir, core_address=address, engine_start_timeout_s=30)
+    engine = AsyncLLM(model=long_model_dir, core_address=address, engine_start_timeout_s=30,
+                      max_core_restarts=0)  # the core's own reason reaches the streams
     try:
         streams = [asyncio.create_task(generate_all(engine, f"x{i}", 3000)) for i in range(3)]
         for task in streams:

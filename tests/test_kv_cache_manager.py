@@ -50,7 +50,8 @@ def test_hash_chain_matches_formula() -> None:
 
 
 def test_least_recently_freed_reused_first() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    """With prefix caching, the free queue is the cache's LRU eviction order."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
     a, b = make_request("a", list(range(12))), make_request("b", list(range(100, 112)))
     assert kv.allocate_slots(a, 12) == [0, 1, 2]
     assert kv.allocate_slots(b, 12) == [3, 4, 5]
@@ -61,6 +62,27 @@ def test_least_recently_freed_reused_first() -> None:
     # Never-used blocks first, then in the order freed.
     assert kv.allocate_slots(c, 32) == [6, 7, 2, 1, 0, 5, 4, 3]
     assert kv.num_free_blocks == 0 and kv.usage == 1.0
+
+
+def test_without_caching_the_blocks_freed_last_are_reused_first() -> None:
+    """No cache to keep: request after request reuses the same blocks (whose KV pages are
+    resident) instead of walking through the whole pool, which would fault in the entire KV
+    cache bit by bit (the soak's RSS creep with prefix caching off)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    a, b = make_request("a", list(range(12))), make_request("b", list(range(100, 112)))
+    assert kv.allocate_slots(a, 12) == [0, 1, 2]
+    assert kv.allocate_slots(b, 12) == [3, 4, 5]
+    kv.free(a)  # each to the front, tail first: 0, 1, 2 ...
+    kv.free(b)  # ... behind 3, 4, 5
+    c = make_request("c", list(range(200, 232)))
+    assert kv.allocate_slots(c, 32) == [3, 4, 5, 0, 1, 2, 6, 7]
+    kv.free(c)
+    used: set[int] = set()
+    for i in range(50):  # one request at a time: always the same two blocks
+        r = make_request(f"r{i}", list(range(300 + i, 308 + i)))
+        used.update(kv.allocate_slots(r, 8))
+        kv.free(r)
+    assert len(used) == 2 and kv.num_free_blocks == 8
 
 
 def test_prefix_hit_and_ref_counts() -> None:

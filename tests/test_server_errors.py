@@ -115,7 +115,7 @@ def test_chat_without_template_is_400(server: Server) -> None:
 
 
 def test_dead_engine_is_503(long_model_dir: str, tidal_cache_dir: str) -> None:
-    srv = Server(long_model_dir, FLAGS, tidal_cache_dir)
+    srv = Server(long_model_dir, [*FLAGS, "--max-core-restarts", "0"], tidal_cache_dir)  # dead for good
     try:
         cores = [p for p in srv.children() if "tidal.core.core_proc" in " ".join(p.cmdline())]
         assert cores

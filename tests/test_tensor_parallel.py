@@ -454,7 +454,7 @@ def test_async_llm_killed_rank_fails_every_stream(model_dirs: dict[str, str]) ->
 
     async def main() -> None:
         engine = async_llm.AsyncLLM(model, tensor_parallel_size=2, dtype="float32", device="cpu",
-                                    max_model_len=96, num_kv_blocks=64)
+                                    max_model_len=96, num_kv_blocks=64, max_core_restarts=0)
         try:
             started = asyncio.Event()
             counts = [0] * 4

@@ -7,8 +7,10 @@ state whether or not it sampled.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,9 +19,12 @@ from torch import nn
 from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
-from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
-from tidal.worker.logits_processors import needs_output_history
+from tidal.protocol.utils import summarize_exception
+from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context, zeroed_kv_tensor
+from tidal.worker.logits_processors import apply_token_bitmask, needs_output_history
 from tidal.worker.sampler import Sampler, SamplingMetadata, argmax, compute_prompt_logprobs
+
+logger = logging.getLogger(__name__)
 
 
 def _plain_greedy(sp: SamplingParams) -> bool:
@@ -53,6 +58,10 @@ class _Batch:
     sample_rows: list[int]  # batch indices of requests that sample this step
     logits_indices: list[int]  # flat token index of each row that goes through the LM head
     prompt_lp: list[tuple[str, int, int, int]]  # (req_id, first logits row, rows, first target pos)
+    # Structured outputs: req_id -> its row of grammar_bitmask (SchedulerOutput's), for the
+    # constrained requests that sample this step; empty (and None) when there are none.
+    grammar_rows: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -71,8 +80,8 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.k_cache = zeroed_kv_tensor(shape, dtype, self.device)
+            layer.v_cache = zeroed_kv_tensor(shape, dtype, self.device)
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -134,7 +143,8 @@ class ModelRunner:
         return _Batch(
             req_ids, torch.tensor(tokens, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev), metadata,
-            sample_rows, logits_indices, prompt_lp)
+            sample_rows, logits_indices, prompt_lp,
+            {rid: i for i, rid in enumerate(so.structured_output_request_ids)}, so.grammar_bitmask)
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -162,12 +172,16 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=batch.req_ids, forward_time_s=forward_time)
         out.sampled_token_ids = [[] for _ in batch.req_ids]
         if batch.sample_rows:
-            self._sample(batch, logits[: len(batch.sample_rows)], out)
+            self._sample_isolating(batch, logits[: len(batch.sample_rows)], out)
         if batch.prompt_lp:
             self._prompt_logprobs(batch, logits[len(batch.sample_rows):], out)
         return out
 
     def _sample(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        if batch.grammar_rows:
+            # First, so that everything after (greedy argmax, sampling, the logprobs reported)
+            # sees the masked distribution, as in vLLM.
+            self._apply_grammar_bitmask(batch, logits)
         states = [self.requests[batch.req_ids[i]] for i in batch.sample_rows]
         if all(_plain_greedy(st.sampling_params) for st in states):
             # Nothing but an argmax to do: skip building the per-row sampling tensors.
@@ -201,6 +215,66 @@ class ModelRunner:
                     out.logprobs[st.req_id] = LogprobsArrays(
                         token_ids[row: row + 1, : k + 1].copy(), lps[row: row + 1, : k + 1].copy(),
                         ranks[row: row + 1].copy())
+
+    def _sample_isolating(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """`_sample`, but a failure one request explains fails that request alone: the rows are
+        retried in halves (sampling is a pure function of each row's seed and position, so a
+        row's token does not depend on the batch it is in) until each failing row stands alone,
+        and its request goes to `out.failed_req_ids`. When every row fails on its own too, no
+        single request explains it (device, sampler bug): that is raised, for the engine."""
+        try:
+            self._sample(batch, logits, out)
+            return
+        except Exception as e:
+            self.sampler.reset_buffers()  # a draw that raised midway may leave them dirty
+            if len(batch.sample_rows) == 1:
+                self._record_failure(batch, batch.sample_rows[0], e, out)
+                return
+        failed: dict[int, Exception] = {}
+        self._sample_apart(batch, logits, list(range(len(batch.sample_rows))), out, failed)
+        if len(failed) == len(batch.sample_rows):
+            raise next(iter(failed.values()))
+        for row, e in failed.items():
+            self._record_failure(batch, batch.sample_rows[row], e, out)
+
+    def _sample_apart(self, batch: _Batch, logits: torch.Tensor, rows: list[int], out: ModelRunnerOutput,
+                      failed: dict[int, Exception]) -> None:
+        """Sample `rows` (indices into batch.sample_rows) of a batch that failed, in halves."""
+        halves = [rows] if len(rows) == 1 else [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+        for half in halves:
+            sub = dataclasses.replace(batch, sample_rows=[batch.sample_rows[r] for r in half])
+            try:
+                self._sample(sub, logits[half], out)
+            except Exception as e:
+                self.sampler.reset_buffers()
+                if len(half) == 1:
+                    failed[half[0]] = e
+                else:
+                    self._sample_apart(batch, logits, half, out, failed)
+
+    def _record_failure(self, batch: _Batch, i: int, e: Exception, out: ModelRunnerOutput) -> None:
+        """Batch index `i` failed to sample: no token, no logprobs (a failed attempt may have
+        written some), and the reason for the core."""
+        req_id = batch.req_ids[i]
+        out.sampled_token_ids[i] = []
+        out.logprobs.pop(req_id, None)
+        out.failed_req_ids[req_id] = f"sampling failed for this request: {summarize_exception(e)}"
+        logger.error("sampling failed for request %r alone: %s", req_id, out.failed_req_ids[req_id])
+
+    @staticmethod
+    def _apply_grammar_bitmask(batch: _Batch, logits: torch.Tensor) -> None:
+        """Mask the constrained rows of `logits` (one per batch.sample_rows) in place. Keyed
+        by request id, so it serves a retry on a subset of the rows too."""
+        assert batch.grammar_bitmask is not None
+        rows: list[int] = []
+        masks: list[int] = []
+        for row, i in enumerate(batch.sample_rows):
+            j = batch.grammar_rows.get(batch.req_ids[i])
+            if j is not None:
+                rows.append(row)
+                masks.append(j)
+        if rows:
+            apply_token_bitmask(logits, batch.grammar_bitmask[masks], rows)
 
     def _prompt_logprobs(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         offset = 0

@@ -289,6 +289,11 @@ class Sampler(nn.Module):
             buf = self._bufs[name] = torch.zeros(rows * cols, dtype=dtype, device=device)
         return buf[: rows * cols].view(rows, cols)
 
+    def reset_buffers(self) -> None:
+        """Drop the scratch buffers: after a draw that raised midway, the count table may not
+        be all-zero any more, and every later draw would read its leftovers."""
+        self._bufs.clear()
+
     def apply_logits_processors(self, x: torch.Tensor, md: SamplingMetadata) -> None:
         """Everything before temperature, in vLLM's order, in place on x [B, V]: allowed tokens,
         bad words, logit bias, then min_tokens and the penalties."""

@@ -67,7 +67,7 @@ def json_response(obj: msgspec.Struct, status: int = 200) -> Response:
 
 
 def error_response(e: APIError) -> Response:
-    return Response(e.encode(), status_code=int(e.status), media_type=_JSON)
+    return Response(e.encode(), status_code=int(e.status), media_type=_JSON, headers=e.headers or None)
 
 
 class APIKeyMiddleware:

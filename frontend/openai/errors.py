@@ -10,9 +10,13 @@ import logging
 from http import HTTPStatus
 
 import msgspec
-from tidal.protocol.errors import EngineDeadError, EngineGenerateError
+from tidal.protocol.errors import EngineDeadError, EngineGenerateError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
+
+# Retry-After (seconds) of a 503 for a request the engine refused at admission (its waiting
+# queue is full, or its core is draining): short, as a queue drains within seconds.
+OVERLOADED_RETRY_AFTER_S = 1
 
 _TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
@@ -40,9 +44,10 @@ class APIError(Exception):
     """An error the server answers with `status` and an OpenAI-shaped body."""
 
     def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, HTTPStatus(status), param
+        self.headers: dict[str, str] = headers or {}  # extra response headers (Retry-After)
 
     def to_response(self) -> ErrorResponse:
         kind = _TYPES.get(self.status, self.status.phrase.replace(" ", "") + "Error")
@@ -54,13 +59,17 @@ class APIError(Exception):
 
 def from_exception(e: BaseException) -> APIError:
     """The APIError for what generate() or a handler raised: ValueError is the client's
-    mistake (400), a dead engine 503, a per-request engine failure 500."""
+    mistake (400), a dead engine 503, a request refused at admission (overloaded or draining)
+    503 with Retry-After, a per-request engine failure 500."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, (ValueError, msgspec.ValidationError, msgspec.DecodeError)):
         return APIError(str(e), HTTPStatus.BAD_REQUEST, _param_of(e))
     if isinstance(e, EngineDeadError):
         return APIError(f"The engine is dead: {e}", HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(e, EngineOverloadedError):  # before its base class, EngineGenerateError
+        return APIError(f"The engine cannot take the request now: {e}", HTTPStatus.SERVICE_UNAVAILABLE,
+                        headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
     if isinstance(e, EngineGenerateError):
         return APIError(f"The request failed in the engine: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
     logger.error("unexpected server error", exc_info=e)

@@ -8,7 +8,7 @@ protocol.py (OpenAI's names plus vLLM's extras, e.g. `stop_reason`).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -18,6 +18,39 @@ import msgspec
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaResponseFormat(msgspec.Struct, kw_only=True):
+    name: str = ""
+    description: str | None = None
+    json_schema: dict[str, Any] | None = msgspec.field(default=None, name="schema")  # OpenAI's key
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's response_format (and vLLM's structural_tag form, legacy or `format`)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaResponseFormat | None = None
+    # type "structural_tag": xgrammar's `format` object, or the legacy structures + triggers
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs` body field: StructuredOutputsParams' fields."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -50,6 +83,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -4,6 +4,7 @@ request, the SSE framing, and running a handler until the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -24,6 +25,7 @@ from tidal.frontend.openai.protocol import (
 )
 from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
+from tidal.protocol.structured_outputs import CONSTRAINTS, StructuredOutputsParams
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -150,7 +152,29 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
-        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids)
+        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+        structured_outputs=structured_outputs(req))
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint from `structured_outputs` and `response_format` (as vLLM: both
+    may be given only if they name one constraint together; ValueError, i.e. 400, otherwise)."""
+    so, rf = req.structured_outputs, req.response_format
+    fields: dict[str, Any] = {} if so is None else msgspec.structs.asdict(so)
+    if rf is not None and rf.type == "json_object":
+        fields["json_object"] = True
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise APIError("response_format of type json_schema needs json_schema.schema",
+                           HTTPStatus.BAD_REQUEST, "response_format")
+        fields["json"] = rf.json_schema.json_schema
+    elif rf is not None and rf.type == "structural_tag":
+        tag = ({"type": "structural_tag", "format": rf.format} if rf.format is not None
+               else {"structures": rf.structures or [], "triggers": rf.triggers or []})
+        fields["structural_tag"] = json.dumps(tag)
+    if all(fields.get(name) is None for name in CONSTRAINTS):
+        return None  # no constraint (options alone, or response_format "text")
+    return StructuredOutputsParams(**fields)
 
 
 def include_usage(req: SamplingFields) -> bool:

@@ -1,0 +1,188 @@
+"""ZeroMQ CURVE security for a headless engine core's TCP socket (`tidal core --key-file`).
+
+CURVE (libzmq + libsodium, not a home-made scheme) encrypts the connection and authenticates
+both ends. On its own a CURVE server accepts any client that knows the server's *public* key,
+so the core also runs a ZAP handler (pyzmq's ThreadAuthenticator) that admits only the client
+key of its key file: a front-end must hold that client *secret* key to get through.
+
+Key file (JSON, written 0600 by `tidal core-keygen FILE`; keys in Z85, 40 characters each):
+
+    {"format": "tidal-core-key/1",
+     "server_public_key": "...", "server_secret_key": "...",
+     "client_public_key": "...", "client_secret_key": "..."}
+
+The core needs all four. A front-end (`core_key_file=FILE`) reads the server public key and
+the client keypair; it may hold a copy without "server_secret_key". A front-end without the
+file, or with another one, fails the handshake: the core never sees its messages (its HELLO
+goes unanswered until engine_start_timeout_s). The core refuses to bind a TCP address that is
+not loopback without a key file, and a key file that others may read.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import socket
+import stat
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+from zmq.utils import z85
+
+if TYPE_CHECKING:
+    from tidal.protocol.config import EngineConfig
+    from zmq.auth.thread import ThreadAuthenticator
+
+KEY_FILE_FORMAT = "tidal-core-key/1"
+_FIELDS = ("server_public_key", "server_secret_key", "client_public_key", "client_secret_key")
+_Z85_KEY_LEN = 40
+
+
+@dataclass(frozen=True, repr=False)  # repr=False: never print a secret key in a log
+class CoreKey:
+    server_public_key: bytes
+    server_secret_key: bytes | None  # None in a front-end's copy
+    client_public_key: bytes
+    client_secret_key: bytes
+
+
+@dataclass(frozen=True, repr=False)
+class Curve:
+    """CURVE options for one socket; make_socket applies them before bind/connect (libzmq reads
+    the mechanism when a connection is made). `server_key` None: this socket is the server."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes | None = None
+
+    def apply(self, sock: zmq.Socket) -> None:
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq was built without CURVE security (libsodium)")
+        if self.server_key is None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+        else:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public_key)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret_key)
+
+
+# Why a front-end's DEALER has no connection to send on right after connect(): libzmq drops a
+# connection whose handshake the peer refused (a keyed core and no key or another client key,
+# or a keyless core and a key) and, unlike a lost connection, never retries it; a blocking
+# send would then wait for good.
+HANDSHAKE_REFUSED = ("refused the connection handshake: a keyed core serves only front-ends "
+                     "holding its key file (core_key_file), and a keyless one only front-ends without")
+
+
+def generate_key_file(path: str) -> None:
+    """Write a new key file, readable by its owner only; never overwrites one."""
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    doc = {"format": KEY_FILE_FORMAT}
+    for name, key in zip(_FIELDS, (server_public, server_secret, client_public, client_secret)):
+        doc[name] = key.decode("ascii")
+    # O_EXCL: an existing file (maybe a key in use) is an error, not silently replaced; the
+    # mode is set at creation, so the secret is never readable by others, not even briefly.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def load_key_file(path: str, *, server: bool) -> CoreKey:
+    """The keys in `path` (ValueError naming what is wrong). `server`: the core's side, which
+    needs the server secret key."""
+    try:
+        st = os.stat(path)
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read core key file {path!r}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"core key file {path!r} is not JSON ({e}); make one with `tidal core-keygen FILE`") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"core key file {path!r} is accessible by other users (mode "
+                         f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600 {path}`")
+    if not isinstance(doc, dict) or doc.get("format") != KEY_FILE_FORMAT:
+        raise ValueError(f"core key file {path!r} is not a {KEY_FILE_FORMAT} file; make one with "
+                         "`tidal core-keygen FILE`")
+    keys: dict[str, bytes | None] = {}
+    for name in _FIELDS:
+        value = doc.get(name)
+        if value is None and name == "server_secret_key" and not server:
+            keys[name] = None
+            continue
+        if not isinstance(value, str) or len(value) != _Z85_KEY_LEN:
+            raise ValueError(f"core key file {path!r}: {name} must be a {_Z85_KEY_LEN}-character Z85 key")
+        try:
+            z85.decode(value)
+        except Exception:
+            raise ValueError(f"core key file {path!r}: {name} is not valid Z85") from None
+        keys[name] = value.encode("ascii")
+    return CoreKey(**keys)  # type: ignore[arg-type]
+
+
+def server_curve(key: CoreKey) -> Curve:
+    assert key.server_secret_key is not None
+    return Curve(key.server_public_key, key.server_secret_key)
+
+
+def client_curve_options(config: EngineConfig) -> Curve | None:
+    """The front-end DEALER's CURVE options: a headless core (core_address) with a key file.
+    A spawned core listens on a private ipc path and uses no key."""
+    if config.core_address is None or config.core_key_file is None:
+        return None
+    key = load_key_file(config.core_key_file, server=False)
+    return Curve(key.client_public_key, key.client_secret_key, server_key=key.server_public_key)
+
+
+class _AllowClientKey:
+    """ZAP credentials provider: admits exactly the key file's client public key."""
+
+    def __init__(self, client_public_key: bytes) -> None:
+        self._key = client_public_key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self._key)
+
+
+def start_authenticator(ctx: zmq.Context, key: CoreKey) -> ThreadAuthenticator:
+    """A ZAP handler in `ctx` admitting only `key`'s client; start it before binding."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_AllowClientKey(key.client_public_key))
+    return auth
+
+
+def check_bind_security(address: str, key_file: str | None) -> None:
+    """ValueError for a TCP bind off loopback without a key file: the core would serve anyone
+    who can reach the address. ipc paths (file permissions) and loopback need no key."""
+    if key_file is not None or not address.startswith("tcp://"):
+        return
+    host = address[len("tcp://"):].rpartition(":")[0]
+    if not _is_loopback(host):
+        raise ValueError(
+            f"refusing to bind {address!r} without a key: a core reachable from other hosts must "
+            "be keyed (make a key file with `tidal core-keygen FILE`, then pass --key-file FILE to "
+            "the core and core_key_file=FILE to its front-ends), or bind tcp://127.0.0.1:PORT")
+
+
+def _is_loopback(host: str) -> bool:
+    """True only if every address the host resolves to is a loopback one (interface names and
+    anything unresolvable count as reachable from outside)."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for info in infos:
+        addr = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+        if not (addr.is_loopback or (mapped is not None and mapped.is_loopback)):
+            return False
+    return bool(infos)
