@@ -24,7 +24,7 @@ from typing import Any, AsyncGenerator, Callable, Iterable
 from tidal.frontend.core_client import AsyncMPClient
 from tidal.frontend.engine_args import AsyncEngineArgs
 from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory
-from tidal.frontend.output_processor import RequestOutputCollector
+from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.config_views import ModelConfig
 from tidal.protocol.errors import EngineDeadError, EngineGenerateError

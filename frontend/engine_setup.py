@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Sequence, Ty
 from tidal.frontend.core_client import AsyncMPClient, InprocClient, SyncMPClient
 from tidal.frontend.input_processor import InputProcessor
 from tidal.frontend.metrics_stats import IterationStats, StatLoggerBase
-from tidal.frontend.output_processor import OutputProcessor, RequestOutputCollector
+from tidal.frontend.output_collector import RequestOutputCollector
+from tidal.frontend.output_processor import OutputProcessor
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
 from tidal.protocol.config_views import ModelConfig, resolved_dtype_name

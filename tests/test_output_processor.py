@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tidal.frontend.output_processor import OutputProcessor, RequestOutputCollector
+from tidal.frontend.output_collector import RequestOutputCollector
+from tidal.frontend.output_processor import OutputProcessor
 from tidal.protocol import EngineGenerateError, RequestOutput
 from tidal.protocol.messages import (
     EngineCoreEventType,
