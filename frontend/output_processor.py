@@ -40,6 +40,7 @@ class RequestState:
     """Front-end state of one (child) request: its detokenizer (text and stop strings), its
     logprobs, its stats; a subclass per output kind builds the completions (`_completion`)."""
 
+    _keeps_token_ids = True  # `_completion` appends every output id to token_ids
     __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
                  "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
                  "text", "text_parts", "token_ids", "core_request", "generated", "num_prompt_lp_rows",
@@ -66,7 +67,8 @@ class RequestState:
         # was sent, every token the core generated so far, the prompt-logprob rows received,
         # len(generated) when it was last sent, and the crashes in a row it made no progress in.
         self.core_request = request
-        self.generated: list[int] = []
+        # CUMULATIVE and FINAL_ONLY keep every output id anyway: one list serves both.
+        self.generated: list[int] = self.token_ids if self._keeps_token_ids else []
         self.num_prompt_lp_rows = 0
         self.progress_mark = 0
         self.crash_streak = 0
@@ -76,7 +78,7 @@ class RequestState:
         stats are on); returns the completion to emit, if any. A finished completion for an
         output the core did not finish was ended by a stop string, here."""
         new_ids, finish = out.new_token_ids, out.finish_reason
-        if new_ids:
+        if new_ids and not self._keeps_token_ids:
             self.generated.extend(new_ids)
         if out.new_prompt_logprobs is not None:
             self.num_prompt_lp_rows += len(out.new_prompt_logprobs.ranks)
@@ -102,6 +104,7 @@ class _DeltaState(RequestState):
     """DELTA: only what is new (nothing is kept)."""
 
     __slots__ = ()
+    _keeps_token_ids = False
 
     def _completion(self, text: str, new_ids: list[int], finish: str | None,
                     stop_reason: int | str | None) -> CompletionOutput | None:
