@@ -32,8 +32,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_CACHE_DIR": _cache_dir,
     # 0: no C kernels on CPU, torch ops only.
     "TIDAL_CPU_KERNELS": _flag("TIDAL_CPU_KERNELS", True),
-    # 0: linear layers use F.linear instead of oneDNN packed weights.
-    "TIDAL_CPU_ONEDNN_GEMM": _flag("TIDAL_CPU_ONEDNN_GEMM", True),
+    # float32 linear layers on CPU: auto (tidal's panel GEMM where vectorized, else oneDNN) |
+    # onednn (oneDNN packed weights) | torch (F.linear). worker/layers/gemm.py.
+    "TIDAL_CPU_GEMM": lambda: os.environ.get("TIDAL_CPU_GEMM", "auto"),
+    # 0: fp16/bf16 models on CPU compute in torch's half ops instead of half weights + float32 compute.
+    "TIDAL_CPU_HALF_WEIGHTS": _flag("TIDAL_CPU_HALF_WEIGHTS", True),
     # 1: the front-end loads transformers' tokenizer even where tokenizers' own would do (frontend/tokenizer.py).
     "TIDAL_FULL_TOKENIZER": _flag("TIDAL_FULL_TOKENIZER", False),
     # 0: oneDNN GEMMs run on the exact row count instead of padding it to a bucket (worker/layers/gemm.py).

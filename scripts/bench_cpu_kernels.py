@@ -5,7 +5,11 @@
   - decode attention: the C kernel reading the paged cache (attention_cpu.py) vs the torch
     backend (gather each sequence's blocks, then SDPA), per batch size, over a pool larger than
     the caches;
-  - RMSNorm (+ residual), qk-norm + RoPE, SiLU-and-mul: C kernels vs the torch ops.
+  - RMSNorm (+ residual), qk-norm + RoPE, SiLU-and-mul: C kernels vs the torch ops;
+  - panel GEMM (float32 / fp16 / bf16 weights, panel_gemm.py) vs oneDNN float32 packed, per shape and row
+    count, each over enough copies of the weight (>= 96 MB in float32) that it comes from DRAM;
+    median of 3 interleaved measurements;
+  - decode attention over fp16 / bf16 caches vs the float32 cache (the same C kernel).
 
 Shapes are the bench_offline model's (hidden 512, 8 heads / 4 kv heads of 64, MLP 1536).
 
@@ -25,6 +29,7 @@ from tidal.protocol.utils import cdiv
 from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
 from tidal.worker.attention_cpu import CpuAttentionBackend
 from tidal.worker.cpu_kernels import cpu_kernels
+from tidal.worker.panel_gemm import pack_weight, panel_linear
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.gemm import PackedWeight
 from tidal.worker.layers.layernorm import RMSNorm
@@ -64,6 +69,19 @@ def bench_linear() -> None:
         row(f"{m} rows", ours, ref)
 
 
+def _decode_tables(rng: random.Random, batch: int, block: int, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Context lengths U[17, 384] for `batch` decodes and block tables drawn from shuffled `ids`."""
+    lens = [rng.randint(17, 384) for _ in range(batch)]
+    rng.shuffle(ids)
+    need = [cdiv(n, block) for n in lens]
+    tables = torch.zeros(batch, max(need), dtype=torch.long)
+    offset = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(ids[offset: offset + n])
+        offset += n
+    return lens, tables
+
+
 def bench_decode_attention() -> None:
     print("decode attention (one layer; contexts U[17,384], pool of 4096 blocks of 16):")
     rng = random.Random(0)
@@ -72,14 +90,7 @@ def bench_decode_attention() -> None:
     v_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
     ids = list(range(num_blocks))
     for batch in (1, 4, 16, 32, 64):
-        lens = [rng.randint(17, 384) for _ in range(batch)]
-        rng.shuffle(ids)
-        need = [cdiv(n, block) for n in lens]
-        tables = torch.zeros(batch, max(need), dtype=torch.long)
-        offset = 0
-        for i, n in enumerate(need):
-            tables[i, :n] = torch.tensor(ids[offset: offset + n])
-            offset += n
+        lens, tables = _decode_tables(rng, batch, block, ids)
         slots = torch.tensor([int(tables[i, (n - 1) // block]) * block + (n - 1) % block for i, n in enumerate(lens)])
         meta = AttentionMetadata.build(slots, list(range(batch + 1)), lens, tables, block)
         q = torch.randn(batch, HEADS, HEAD_DIM)
@@ -91,6 +102,66 @@ def bench_decode_attention() -> None:
         ours = timed(lambda: cpu.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5))
         ref = timed(lambda: ref_backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5))
         row(f"{batch} sequences", ours, ref)
+
+
+def _median_times(fns: list[Callable[[], object]], repeats: int = 3, min_s: float = 0.1) -> list[float]:
+    """Median seconds per call of each fn, measured in turns so drifting load hits all alike."""
+    runs = [[timed(fn, min_s) for fn in fns] for _ in range(repeats)]
+    return [sorted(r[i] for r in runs)[repeats // 2] for i in range(len(fns))]
+
+
+def bench_panel_gemm(rows: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 256)) -> None:
+    print("panel GEMM (f32 / fp16 / bf16 weights) vs oneDNN float32 packed (per call; weights cycled from DRAM;"
+          " ratio = oneDNN / panel):")
+    shapes = {"qkv": (1024, HIDDEN), "o_proj": (HIDDEN, HIDDEN), "gate_up": (2 * MLP, HIDDEN),
+              "down": (HIDDEN, MLP), "lm_head": (8192, HIDDEN)}
+    for name, (n, k) in shapes.items():
+        copies = max(2, cdiv(96 << 20, n * k * 4))
+        dense = [torch.randn(n, k) * 0.05 for _ in range(copies)]
+        onednn = [PackedWeight(w) for w in dense]
+        pools = {dt: [pack_weight(w, dt) for w in dense] for dt in (torch.float32, torch.float16, torch.bfloat16)}
+        for m in rows:
+            x = torch.randn(m, k)
+            it = {"onednn": 0, torch.float32: 0, torch.float16: 0, torch.bfloat16: 0}
+
+            def step(kind: object, pool: list, call: Callable[[object], object]) -> None:
+                it[kind] = (it[kind] + 1) % len(pool)
+                call(pool[it[kind]])
+
+            def panel(dt: torch.dtype) -> Callable[[], None]:
+                return lambda: step(dt, pools[dt], lambda p: panel_linear(x, p, n, k))
+
+            ref, *ours = _median_times([lambda: step("onednn", onednn, lambda p: p.linear(x)),
+                                        *(panel(dt) for dt in pools)])
+            gflops = 2 * m * n * k / 1e9
+            cells = "".join(f"  {label} {t * 1e6:8.1f} us ({gflops / t:4.0f}) {ref / t:5.2f}x"
+                            for label, t in zip(("f32", "fp16", "bf16"), ours))
+            print(f"  {name:8s} N={n:5d} K={k:5d} M={m:4d}  oneDNN {ref * 1e6:8.1f} us ({gflops / ref:4.0f} GF/s){cells}")
+
+
+def bench_half_cache_attention() -> None:
+    print("decode attention over half caches vs the float32 cache (C kernel; ratio = f32 / half):")
+    rng = random.Random(0)
+    block, num_blocks = 16, 4096
+    k32 = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
+    v32 = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
+    caches = {dt: (k32.to(dt), v32.to(dt)) for dt in (torch.float16, torch.bfloat16)}
+    caches[torch.float32] = (k32, v32)
+    ids = list(range(num_blocks))
+    cpu = CpuAttentionBackend()
+    for batch in (1, 4, 16, 32, 64):
+        lens, tables = _decode_tables(rng, batch, block, ids)
+        meta = AttentionMetadata.build(torch.full((batch,), -1), list(range(batch + 1)), lens, tables, block)
+        q = torch.randn(batch, HEADS, HEAD_DIM)
+        k, v = torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM)
+
+        def run(dt: torch.dtype) -> Callable[[], object]:
+            kc, vc = caches[dt]
+            return lambda: cpu.forward(q, k, v, kc, vc, meta, HEAD_DIM**-0.5)
+
+        t32, t16, tb16 = _median_times([run(torch.float32), run(torch.float16), run(torch.bfloat16)])
+        print(f"  {batch:3d} sequences   f32 {t32 * 1e6:8.1f} us   fp16 {t16 * 1e6:8.1f} us {t32 / t16:5.2f}x"
+              f"   bf16 {tb16 * 1e6:8.1f} us {t32 / tb16:5.2f}x")
 
 
 def bench_elementwise() -> None:
@@ -131,6 +202,8 @@ def main() -> None:
         bench_linear()
         bench_decode_attention()
         bench_elementwise()
+        bench_panel_gemm()
+        bench_half_cache_attention()
 
 
 if __name__ == "__main__":

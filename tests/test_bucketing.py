@@ -85,6 +85,7 @@ def test_greedy_tokens_identical_with_and_without_buckets(tiny_model_dir: str, m
     # another row count (prefill chunks, then decode batches from 24 down to 1).
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 90))] for _ in range(24)]
     max_tokens = [rng.randint(1, 24) for _ in prompts]
+    monkeypatch.setenv("TIDAL_CPU_GEMM", "onednn")  # float32 weights on oneDNN, where buckets apply
     with_buckets = _greedy_tokens(tiny_model_dir, prompts, max_tokens)
     monkeypatch.setenv("TIDAL_CPU_GEMM_BUCKETS", "0")  # the core process inherits it
     without = _greedy_tokens(tiny_model_dir, prompts, max_tokens)

@@ -156,17 +156,26 @@ class Dealer:
     def __init__(self, ctx: zmq.Context, address: str, curve: Curve | None) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A refused (keyless or wrong-keyed) connection may leave no pipe to queue into: a send
+        # then blocks, so it gets a bound like every other wait (zmq.Again after 5 s).
+        self.sock.setsockopt(zmq.SNDTIMEO, 5000)
         if curve is not None:
             curve.apply(self.sock)
         self.sock.connect(address)
         self.encoder, self.decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
 
-    def send(self, kind: bytes, obj: object) -> None:
-        self.sock.send_multipart([kind, *self.encoder.encode(obj)])
+    def send(self, kind: bytes, obj: object) -> bool:
+        """True once queued; False when the socket had no connection to queue it on (5 s)."""
+        try:
+            self.sock.send_multipart([kind, *self.encoder.encode(obj)])
+            return True
+        except zmq.Again:
+            return False
 
     def stats(self, timeout_s: float) -> Any:
         """get_stats, or None when nothing answers within timeout_s."""
-        self.send(UTILITY, UtilityRequest(77, "get_stats"))
+        if not self.send(UTILITY, UtilityRequest(77, "get_stats")):
+            return None  # not even queued: no connection the core accepted
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not self.sock.poll(int(left * 1000)):
@@ -205,16 +214,17 @@ async def test_only_key_holders_are_served_and_abort_only_their_own(
         outsiders = [Dealer(ctx, address, None), Dealer(ctx, address, _client_curve(wrong_key))]
         # A second key holder, with an identity of its own: a legitimate front-end.
         other = Dealer(ctx, address, _client_curve(good_key))
-        for d in (*outsiders, other):
-            d.send(ABORT, [wire_id])
-            d.send(ADD, EngineCoreRequest("x", [1, 2, 3], SamplingParams(max_tokens=LONG, ignore_eos=True)))
+        for d in (*outsiders, other):  # an outsider's send may not even be queued: either way
+            sent = d.send(ABORT, [wire_id])
+            sent = d.send(ADD, EngineCoreRequest("x", [1, 2, 3], SamplingParams(max_tokens=LONG, ignore_eos=True))) and sent
+            assert sent or d is not other
         # The other key holder's messages arrived in order: its abort (of an id that is not
         # its own) was applied before this answer, and r1 still runs; so does its own "x".
         stats = await asyncio.to_thread(other.stats, 60)
         assert stats is not None and stats.num_running_reqs + stats.num_waiting_reqs == 2, stats
         for d in outsiders:  # no answer at all, not even to a utility call
             assert await asyncio.to_thread(d.stats, 3) is None
-        other.send(ABORT, ["x"])  # its own request: that abort works
+        assert other.send(ABORT, ["x"])  # its own request: that abort works
         assert await asyncio.wait_for(stream, 120) == LONG  # r1 untouched by anyone's abort
         stats = await asyncio.to_thread(other.stats, 60)
         assert stats.num_running_reqs + stats.num_waiting_reqs == 0, stats

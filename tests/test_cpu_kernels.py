@@ -20,7 +20,8 @@ from tidal.worker import cpu_kernels as ck
 from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
 from tidal.worker.attention_cpu import CpuAttentionBackend
 from tidal.worker.layers.activation import SiluAndMul
-from tidal.worker.layers.gemm import PackedWeight, onednn_gemm_enabled
+from tidal.worker.layers.gemm import PackedWeight, PanelWeight, onednn_gemm_enabled
+from tidal.worker.panel_gemm import panel_gemm_available
 from tidal.worker.layers.layernorm import RMSNorm
 from tidal.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tidal.worker.layers.qk_norm_rope import QKNormRope
@@ -223,9 +224,13 @@ def test_qk_norm_rope_in_place(qk_norm: bool, scaling: dict | None) -> None:
 
 
 # ----------------------------------------------------------------------------- GEMM
-@pytest.mark.skipif(not onednn_gemm_enabled(torch.empty(2, 2)), reason="no oneDNN packed GEMM in this torch")
+@pytest.mark.parametrize("gemm", ["auto", "onednn"])
 @pytest.mark.parametrize("rows", [0, 1, 5, 64, 1000])
-def test_packed_linear_layers_match_f_linear(rows: int) -> None:
+def test_packed_linear_layers_match_f_linear(rows: int, gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear layers after packing (auto: the panel GEMM where built; onednn) equal F.linear."""
+    monkeypatch.setenv("TIDAL_CPU_GEMM", gemm)
+    if gemm == "onednn" and not onednn_gemm_enabled(torch.empty(2, 2)):
+        pytest.skip("no oneDNN packed GEMM in this torch")
     gen = torch.Generator().manual_seed(rows)
     col = ColumnParallelLinear(96, 200, bias=True)
     row = RowParallelLinear(200, 96, bias=True)
@@ -238,12 +243,14 @@ def test_packed_linear_layers_match_f_linear(rows: int) -> None:
     for layer in (col, row):
         layer.process_weights_after_loading()
         assert layer.weight is None and layer.packed_weight is not None  # held once, packed
+        kind = PackedWeight if gemm == "onednn" or not panel_gemm_available(torch.float32) else PanelWeight
+        assert type(layer.packed_weight) is kind
     torch.testing.assert_close(row(col(x)), want, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(PackedWeight(dense[0][0]).to_dense(), dense[0][0], atol=0, rtol=0)
+    torch.testing.assert_close(col.packed_weight.to_dense(), dense[0][0], atol=0, rtol=0)
 
 
-def test_onednn_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TIDAL_CPU_ONEDNN_GEMM", "0")
+def test_packed_gemms_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDAL_CPU_GEMM", "torch")
     layer = ColumnParallelLinear(8, 8)
     layer.weight.data = torch.eye(8)
     layer.process_weights_after_loading()

@@ -14,6 +14,8 @@ import torch
 from tidal.worker import attention
 from tidal.worker.cpu_kernels import cpu_kernels
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
+from tidal.worker.layers.gemm import PanelWeight, half_storage_enabled
+from tidal.worker.layers.linear import LinearBase
 from tidal.worker.loader import load_model, resolve_dtype
 from tidal.frontend.make_model import make_model
 from tidal.worker.models.registry import MODEL_REGISTRY, get_model_class
@@ -84,6 +86,7 @@ class PagedKV:
     block_size: int
     num_blocks: int = 96
     seed: int = 0
+    cache_dtype: torch.dtype = torch.float32
     blocks: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,8 +95,8 @@ class PagedKV:
         for layer in self.model.modules():
             if isinstance(layer, Attention):
                 shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-                layer.k_cache = torch.zeros(shape)
-                layer.v_cache = torch.zeros(shape)
+                layer.k_cache = torch.zeros(shape, dtype=self.cache_dtype)
+                layer.v_cache = torch.zeros(shape, dtype=self.cache_dtype)
 
     def slot(self, seq: int, pos: int) -> int:
         table = self.blocks.setdefault(seq, [])
@@ -267,7 +270,9 @@ def test_dummy_weights_and_dtypes(models: dict[str, Loaded]) -> None:
         model = load_model(path, cfg, torch.bfloat16, load_format="dummy", seed=seed)
         with torch.no_grad():
             outs.append(model.compute_logits(model(ids, pos)))
-    assert outs[0].dtype == torch.bfloat16 and outs[0].shape == (10, cfg.vocab_size)
+    # bf16 on CPU keeps bf16 weights but computes in float32 when the half GEMM is built
+    compute = torch.float32 if half_storage_enabled(torch.bfloat16, "cpu") else torch.bfloat16
+    assert outs[0].dtype == compute and outs[0].shape == (10, cfg.vocab_size)
     assert torch.isfinite(outs[0].float()).all()
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
 
@@ -280,22 +285,54 @@ def test_dummy_weights_and_dtypes(models: dict[str, Loaded]) -> None:
         resolve_dtype("int3", cfg)
 
 
-def test_bf16_checkpoint_close_to_fp32(models: dict[str, Loaded]) -> None:
-    from transformers import AutoConfig
-
-    m = models["qwen3-tied"]
-    cfg = AutoConfig.from_pretrained(m.path)
-    model = load_model(m.path, cfg, torch.bfloat16)
-    tokens = rand_tokens(12, m.vocab_size, 4)
-    kv = PagedKV(model, 4)
-    for layer in model.modules():
-        if isinstance(layer, Attention):
-            layer.k_cache, layer.v_cache = layer.k_cache.bfloat16(), layer.v_cache.bfloat16()
+def _paged_logits(model: torch.nn.Module, tokens: list[int], block_size: int, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Logits of every position: an 8-token prefill, a 2-token chunk over the cached context,
+    then single-token decodes (the half-cache decode kernel on CPU)."""
+    kv = PagedKV(model, block_size, cache_dtype=cache_dtype)
     try:
-        logits = kv.step([(0, tokens[:8], 0)])
-        logits = torch.cat([logits, kv.step([(0, tokens[8:], 8)])])
+        parts = [kv.step([(0, tokens[:8], 0)]), kv.step([(0, tokens[8:10], 8)])]
+        parts += [kv.step([(0, [tokens[p]], p)]) for p in range(10, len(tokens))]
     finally:
         kv.release()
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tied", "llama3-scaled"])
+@pytest.mark.parametrize("weights,dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                           (torch.float32, torch.bfloat16)])
+def test_half_precision_close_to_fp32(models: dict[str, Loaded], name: str, weights: torch.dtype,
+                                      dtype: torch.dtype) -> None:
+    """fp16/bf16 weights and KV cache (or float32 weights over a half cache: kv_cache_dtype):
+    as close to the float32 logits as transformers running the same checkpoint in the half
+    dtype is (tidal keeps float32 activations on CPU, so it is usually closer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = models[name]
+    model = m.model if weights == torch.float32 else load_model(m.path, AutoConfig.from_pretrained(m.path), weights)
+    if weights != torch.float32 and half_storage_enabled(dtype, "cpu"):
+        linears = [mod for mod in model.modules() if isinstance(mod, LinearBase)]
+        assert linears and all(isinstance(mod.packed_weight, PanelWeight) and mod.weight is None
+                               and mod.packed_weight.dtype == dtype for mod in linears)
+    tokens = rand_tokens(14, m.vocab_size, 4)
+    logits = _paged_logits(model, tokens, m.block_size, dtype).float()
+    ref = hf_logits(m.hf, tokens)
+    hf_half = AutoModelForCausalLM.from_pretrained(m.path, dtype=dtype).eval()
+    hf_distance = (hf_logits(hf_half, tokens).float() - ref).abs().max()
+    distance = (logits - ref).abs().max()
+    assert 0 < distance <= hf_distance, (float(distance), float(hf_distance))
+
+
+def test_half_precision_in_torch_ops(models: dict[str, Loaded], monkeypatch: pytest.MonkeyPatch) -> None:
+    """TIDAL_CPU_HALF_WEIGHTS=0 (and what runs where the half GEMM is not built): the model
+    computes in bf16 through torch's own ops, within 15% of the logits' scale of float32."""
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("TIDAL_CPU_HALF_WEIGHTS", "0")
+    m = models["qwen3-tied"]
+    model = load_model(m.path, AutoConfig.from_pretrained(m.path), torch.bfloat16)
+    assert not half_storage_enabled(torch.bfloat16, "cpu")
+    tokens = rand_tokens(12, m.vocab_size, 4)
+    logits = _paged_logits(model, tokens, m.block_size, torch.bfloat16)
     ref = hf_logits(m.hf, tokens)
     assert logits.dtype == torch.bfloat16
     assert (logits.float() - ref).abs().max() < 0.15 * ref.abs().max()

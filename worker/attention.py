@@ -285,8 +285,9 @@ class TorchAttentionBackend(AttentionBackend):
         for group in metadata.decode_groups:
             n, length, idx = group.num, group.gather_len, group.token_indices
             q_dec = q[group.token_start : group.token_start + n] if idx is None else q.index_select(0, idx)
-            k_dec = k_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim)
-            v_dec = v_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim)
+            # .to: a half cache under float32 compute (a no-op when the dtypes match)
+            k_dec = k_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim).to(q.dtype)
+            v_dec = v_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim).to(q.dtype)
             o_dec = F.scaled_dot_product_attention(
                 q_dec.view(n, num_kv_heads, q_per_kv, head_dim),
                 k_dec.transpose(1, 2),
@@ -309,8 +310,8 @@ class TorchAttentionBackend(AttentionBackend):
         if span.kv_slots is None:
             k_i, v_i = k[s:e], v[s:e]
         else:
-            k_i = flat_k.index_select(0, span.kv_slots)
-            v_i = flat_v.index_select(0, span.kv_slots)
+            k_i = flat_k.index_select(0, span.kv_slots).to(q.dtype)
+            v_i = flat_v.index_select(0, span.kv_slots).to(q.dtype)
         out[s:e] = _sdpa_one_sequence(q[s:e], k_i, v_i, scale, span.mask)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,

@@ -9,21 +9,37 @@ csrc/paged_attention.c walks the block tables instead (`python scripts/bench_cpu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
 from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
 
+# Cache dtype -> suffix of the kernels reading / writing it. K/V and queries are float32 in
+# every case: a half cache holds float32 activations rounded to nearest even on write.
+_CACHE_KERNEL_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _cache_kernel(prefix: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any | None:
+    """The kernel `prefix + suffix` for these caches (same dtype, float32 or half, CPU), else None."""
+    suffix = _CACHE_KERNEL_SUFFIX.get(k_cache.dtype)
+    if suffix is None or v_cache.dtype != k_cache.dtype or k_cache.device.type != "cpu":
+        return None
+    lib = cpu_kernels()
+    return None if lib is None else getattr(lib, prefix + suffix)
+
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Falls back to the torch path for anything the kernel does not cover (non-float32 caches,
-    non-CPU tensors, or no C compiler on the machine)."""
+    """Falls back to the torch path for anything the kernels do not cover (caches other than
+    float32/fp16/bf16, non-float32 activations, non-CPU tensors, or no C compiler)."""
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         return (
             k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
-            and is_f32_cpu(q, k_cache, v_cache)  # builds the kernels on first use
+            and is_f32_cpu(q)  # builds the kernels on first use
+            and _cache_kernel("tidal_paged_decode_attention_", k_cache, v_cache) is not None
         )
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
@@ -37,10 +53,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]
             and flat_k.is_contiguous() and flat_v.is_contiguous()
             and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (k.shape[0],)
-            and slots.device.type == "cpu" and is_f32_cpu(k, v, flat_k, flat_v)
+            and slots.device.type == "cpu" and is_f32_cpu(k, v)
+            and (write := _cache_kernel("tidal_write_kv_cache_", flat_k, flat_v)) is not None
         ):
             return super()._write_cache(k, v, flat_k, flat_v, metadata)
-        rc = cpu_kernels().tidal_write_kv_cache_f32(  # type: ignore[union-attr]
+        rc = write(
             ptr(k), k.stride(0), ptr(v), v.stride(0), ptr(slots), k.shape[0], ptr(flat_k), ptr(flat_v),
             flat_k.shape[0], row)
         if rc != 0:
@@ -55,7 +72,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             q = q.contiguous()  # the kernel reads each row's heads back to back
         batch = metadata.paged_decode
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        rc = cpu_kernels().tidal_paged_decode_attention_f32(  # type: ignore[union-attr]
+        rc = _cache_kernel("tidal_paged_decode_attention_", k_cache, v_cache)(  # type: ignore[misc]
             ptr(q), q.stride(0), ptr(out), out.stride(0), ptr(batch.rows), min(q.shape[0], out.shape[0]),
             ptr(k_cache), ptr(v_cache), num_blocks, ptr(batch.block_tables), batch.block_tables.shape[1],
             ptr(batch.seq_lens), len(metadata.decode_seqs), num_heads, num_kv_heads, head_dim,

@@ -83,8 +83,19 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # block_size, scale
     "tidal_paged_decode_attention_f32": (
         ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]),
+    # the same, over fp16 / bf16 caches (q and out float32)
+    "tidal_paged_decode_attention_f16": (
+        ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]),
+    "tidal_paged_decode_attention_bf16": (
+        ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]),
     # k, k_stride, v, v_stride, slots, num_tokens, k_cache, v_cache, num_slots, row_len
     "tidal_write_kv_cache_f32": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64]),
+    # the same, float32 k/v rounded to nearest even into fp16 / bf16 caches
+    "tidal_write_kv_cache_f16": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64]),
+    "tidal_write_kv_cache_bf16": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64]),
+    # x, x_row_stride, w_packed, bias (nullable), out, out_row_stride, m, n, k, kind (0 f32, 1 f16, 2 bf16)
+    "tidal_gemm_panels": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]),
+    "tidal_gemm_panels_simd": (ctypes.c_int, []),
     # x, x_stride, out, weight, eps, rows, dim
     "tidal_rms_norm_f32": (None, [_p, _i64, _p, _p, _f32, _i64, _i64]),
     # x, residual, weight, eps, rows, dim

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tidal.worker.layers.embedding import VocabParallelEmbedding
+from tidal.worker.layers.gemm import half_storage_enabled
 from tidal.worker.layers.linear import LoadedWeight
 from tidal.worker.models.registry import get_model_class
 
@@ -157,4 +159,25 @@ def load_model(
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()
+    if half_storage_enabled(dtype, device):
+        compute_in_float32(model)
     return model.eval()
+
+
+def compute_in_float32(model: nn.Module) -> None:
+    """Half-precision storage, float32 compute (CPU): the linear layers already hold their
+    weights packed in fp16/bf16 for the half GEMM and the KV cache is made in the model dtype;
+    the embedding table stays half too and widens the rows it looks up. Everything else (norm
+    weights, biases, rotary tables: a few KB per layer) becomes float32, so the activations are
+    float32 from the embedding to the logits and no op ever runs in torch's slow CPU half path.
+    Built in the half dtype first, so a big checkpoint is never held in float32 whole."""
+    for module in model.modules():
+        keep_half = isinstance(module, VocabParallelEmbedding)  # its table; an LM head's is packed
+        if keep_half:
+            module.output_dtype = torch.float32
+        for _, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != torch.float32 and not keep_half:
+                param.data = param.data.float()
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != torch.float32:
+                module._buffers[name] = buf.float()

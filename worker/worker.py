@@ -64,6 +64,9 @@ class Worker:
         hf_config = load_hf_config(cfg.model)
         get_model_class(hf_config)  # unknown architecture -> ValueError listing the supported
         self.dtype = resolve_dtype(cfg.dtype, hf_config)
+        # "auto": the model's dtype; a half cache under float32 weights works too (the kernels
+        # and the torch path convert on write and read).
+        self.kv_cache_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, hf_config)
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise ValueError(
@@ -79,7 +82,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model, block_size=cfg.block_size,
                                         vocab_size=hf_config.vocab_size, device=self.device,
                                         is_driver=self.rank == 0, logprobs_mode=cfg.logprobs_mode)
-        self.model_runner.bind_kv_cache(num_blocks, self.dtype)
+        self.model_runner.bind_kv_cache(num_blocks, self.kv_cache_dtype)
         timer.mark("KV allocation")
         if self.device.type == "cpu":
             warm_up_gemm_buckets(self.model, cfg.max_num_seqs)
@@ -91,7 +94,7 @@ class Worker:
         from tidal.worker.attention import Attention
 
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        elt = torch.empty((), dtype=self.dtype).element_size()
+        elt = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * self.config.block_size * m.num_kv_heads * m.head_dim * elt for m in layers)
 
     def _num_kv_blocks(self) -> int:

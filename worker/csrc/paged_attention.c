@@ -9,6 +9,11 @@
  * [num_blocks, block_size, num_kv_heads, head_dim]; query heads h of kv head j are
  * j * group .. j * group + group - 1 (group = num_heads / num_kv_heads), as in HF's GQA.
  *
+ * The caches hold float32, fp16 or bf16 (one kernel each; q and out are float32 in every case):
+ * a half cache's K/V values are widened to float32 in registers as they are read (dot_kv,
+ * axpy_kv), so the arithmetic is float32 for all three and a half cache reads half the bytes.
+ * Writes round float32 K/V to nearest even, as torch's `.to(dtype)`.
+ *
  * Softmax is computed online per block (running max and sum), in float32 throughout, so no
  * scratch grows with the context length. Built by tidal/worker/cpu_kernels.py with
  * -O3 -march=native -fopenmp; the OpenMP runtime is the one torch already loaded (libgomp.so.1),
@@ -22,6 +27,99 @@
 
 #include "vec_math.h"
 
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define TIDAL_F16C 1
+#endif
+
+/* Cache element types; always a compile-time constant where it selects code (the public
+ * functions below pass literals into always_inline bodies), so the float32 kernel compiles to
+ * the same loops it had before half caches existed. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+static inline int64_t kv_elem_size(const int kind) { return kind == KV_F32 ? 4 : 2; }
+
+#ifdef TIDAL_F16C
+/* 8 half values widened to float32. */
+static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *h, const int kind) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)h);
+    return kind == KV_F16 ? _mm256_cvtph_ps(v) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+#endif
+
+static inline __attribute__((always_inline)) float widen1(uint16_t h, const int kind) {
+    return kind == KV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+/* sum_d q[d] * row[d] over a cache row of len values; half rows are widened in registers as
+ * they are read (no float32 scratch copy of the row: a store and a load fewer per value). */
+static inline __attribute__((always_inline)) float dot_kv(const float *restrict q, const void *restrict row,
+                                                          const int64_t len, const int kind) {
+    float dot = 0.0f;
+    int64_t d = 0;
+    if (kind == KV_F32) {
+        const float *k = (const float *)row;
+#pragma omp simd reduction(+ : dot)
+        for (d = 0; d < len; ++d) dot += q[d] * k[d];
+        return dot;
+    }
+    const uint16_t *h = (const uint16_t *)row;
+#ifdef TIDAL_F16C
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(); /* two chains: FMA latency */
+    for (; d + 16 <= len; d += 16) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), widen8(h + d, kind), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), widen8(h + d + 8, kind), acc2);
+    }
+    for (; d + 8 <= len; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), widen8(h + d, kind), acc);
+    acc = _mm256_add_ps(acc, acc2);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    dot = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+#endif
+    for (; d < len; ++d) dot += q[d] * widen1(h[d], kind);
+    return dot;
+}
+
+/* acc[d] += w * row[d] over a cache row of len values. */
+static inline __attribute__((always_inline)) void axpy_kv(float *restrict acc, float w, const void *restrict row,
+                                                          const int64_t len, const int kind) {
+    int64_t d = 0;
+    if (kind == KV_F32) {
+        const float *v = (const float *)row;
+#pragma omp simd
+        for (d = 0; d < len; ++d) acc[d] += w * v[d];
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)row;
+#ifdef TIDAL_F16C
+    const __m256 wv = _mm256_set1_ps(w);
+    for (; d + 8 <= len; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, widen8(h + d, kind), _mm256_loadu_ps(acc + d)));
+#endif
+    for (; d < len; ++d) acc[d] += w * widen1(h[d], kind);
+}
+
+/* len float32 values -> the cache at element offset `offset`, rounded to nearest even. */
+static inline __attribute__((always_inline)) void kv_store_row(void *restrict cache, int64_t offset,
+                                                               const float *restrict src, int64_t len, const int kind) {
+    if (kind == KV_F32) {
+        memcpy((float *)cache + offset, src, sizeof(float) * len);
+        return;
+    }
+    uint16_t *h = (uint16_t *)cache + offset;
+    int64_t d = 0;
+    if (kind == KV_F16) {
+#ifdef TIDAL_F16C /* vcvtps2ph: the same rounding and NaN handling as f32_to_f16 */
+        for (; d + 8 <= len; d += 8)
+            _mm_storeu_si128((__m128i *)(h + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; d < len; ++d) h[d] = f32_to_f16(src[d]);
+    } else {
+#pragma omp simd
+        for (d = 0; d < len; ++d) h[d] = f32_to_bf16(src[d]);
+    }
+}
+
 /* Rows r = 0 .. num_rows-1 are the query heads first_kv_head * group + r, i.e. kv heads
  * [first_kv_head, first_kv_head + num_rows / group); row r reads kv head first_kv_head + r / group.
  * Blocks are walked in the outer loop and, inside a block, tokens before heads, so the block's
@@ -31,15 +129,16 @@
  * copy with fixed trip counts: with a runtime head_dim every short inner loop re-checks aliasing
  * and peels, which cost more than the arithmetic (measured 1.3x on head_dim 64). */
 static inline __attribute__((always_inline)) void attend_rows(
-    const float *restrict q, float *restrict out, const float *restrict k_cache,
-    const float *restrict v_cache, const int64_t *restrict blocks, int64_t seq_len,
+    const float *restrict q, float *restrict out, const void *restrict k_cache,
+    const void *restrict v_cache, const int64_t *restrict blocks, int64_t seq_len,
     int64_t first_kv_head, int64_t num_rows, int64_t group, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, float *restrict work) {
+    const int64_t head_dim, int64_t block_size, float scale, float *restrict work, const int kind) {
     float *acc = work;                              /* [num_rows, head_dim] */
     float *probs = acc + num_rows * head_dim;       /* [num_rows, block_size] */
     float *run_max = probs + num_rows * block_size; /* [num_rows] */
     float *run_sum = run_max + num_rows;            /* [num_rows] */
     const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t span = num_rows / group * head_dim; /* this task's kv heads of one token */
     memset(acc, 0, sizeof(float) * num_rows * head_dim);
     for (int64_t r = 0; r < num_rows; ++r) {
         run_max[r] = -INFINITY;
@@ -48,23 +147,18 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int64_t start = 0; start < seq_len; start += block_size) {
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
         const int64_t base = blocks[start / block_size] * block_size * token_stride + first_kv_head * head_dim;
-        const float *k_blk = k_cache + base;
-        const float *v_blk = v_cache + base;
         /* Scores, token-outer: the block's K rows are read front to back (a head-outer walk
          * jumps token_stride bytes per read, which the hardware prefetcher follows poorly). */
         for (int64_t t = 0; t < n; ++t) {
-            const float *kt = k_blk + t * token_stride;
+            const char *kt = (const char *)k_cache + kv_elem_size(kind) * (base + t * token_stride);
             /* Ask for the V row now: K and V then stream from memory side by side, which
              * measured ~1.4x faster than reading V only after the block's scores. */
-            for (int64_t off = 0; off < num_rows / group * head_dim; off += 16)
-                __builtin_prefetch(v_blk + t * token_stride + off, 0, 3);
+            const char *v_bytes = (const char *)v_cache + kv_elem_size(kind) * (base + t * token_stride);
+            for (int64_t off = 0; off < span * kv_elem_size(kind); off += 64) __builtin_prefetch(v_bytes + off, 0, 3);
             for (int64_t r = 0; r < num_rows; ++r) {
                 const float *qr = q + r * head_dim;
-                const float *kh = kt + (r / group) * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * kh[d];
-                probs[r * block_size + t] = dot * scale;
+                const char *kh = kt + kv_elem_size(kind) * (r / group) * head_dim;
+                probs[r * block_size + t] = dot_kv(qr, kh, head_dim, kind) * scale;
             }
         }
         for (int64_t r = 0; r < num_rows; ++r) {
@@ -89,14 +183,10 @@ static inline __attribute__((always_inline)) void attend_rows(
             }
         }
         for (int64_t t = 0; t < n; ++t) {
-            const float *vt = v_blk + t * token_stride;
-            for (int64_t r = 0; r < num_rows; ++r) {
-                const float w = probs[r * block_size + t];
-                const float *vh = vt + (r / group) * head_dim;
-                float *ar = acc + r * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) ar[d] += w * vh[d];
-            }
+            const char *vt = (const char *)v_cache + kv_elem_size(kind) * (base + t * token_stride);
+            for (int64_t r = 0; r < num_rows; ++r)
+                axpy_kv(acc + r * head_dim, probs[r * block_size + t], vt + kv_elem_size(kind) * (r / group) * head_dim,
+                        head_dim, kind);
         }
     }
     for (int64_t r = 0; r < num_rows; ++r) {
@@ -110,14 +200,13 @@ static inline __attribute__((always_inline)) void attend_rows(
  * block_tables[i * table_width ...]; the result goes to the same row of out.
  * Returns 0; -1 when scratch memory could not be allocated; -2 when a row is outside
  * [0, num_q_rows), or a sequence needs more blocks than its table row holds or names a block
- * outside [0, num_blocks) (nothing is read or written then). */
-int tidal_paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out,
-                                     int64_t out_row_stride, const int64_t *rows, int64_t num_q_rows,
-                                     const float *k_cache, const float *v_cache, int64_t num_blocks,
-                                     const int64_t *block_tables, int64_t table_width,
-                                     const int64_t *seq_lens, int64_t num_decodes, int64_t num_heads,
-                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                     float scale) {
+ * outside [0, num_blocks) (nothing is read or written then). The public kernels below are this
+ * body with the cache element type fixed. */
+static inline __attribute__((always_inline)) int paged_decode_attention(
+    const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, const int64_t *rows,
+    int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks, const int64_t *block_tables,
+    int64_t table_width, const int64_t *seq_lens, int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, const int kind) {
     const int64_t table_stride = table_width;
     if (num_decodes <= 0) return 0;
     for (int64_t i = 0; i < num_decodes; ++i) {
@@ -155,7 +244,7 @@ int tidal_paged_decode_attention_f32(const float *q, int64_t q_row_stride, float
                 float *oi = out + rows[i] * out_row_stride + j0 * group * head_dim;
                 const int64_t *blocks = block_tables + i * table_stride;
 #define ATTEND(D) attend_rows(qi, oi, k_cache, v_cache, blocks, seq_lens[i], j0, (j1 - j0) * group, \
-                              group, num_kv_heads, D, block_size, scale, work)
+                              group, num_kv_heads, D, block_size, scale, work, kind)
                 switch (head_dim) { /* the head sizes of common models get specialized loops */
                 case 64: ATTEND(64); break;
                 case 80: ATTEND(80); break;
@@ -172,19 +261,47 @@ int tidal_paged_decode_attention_f32(const float *q, int64_t q_row_stride, float
     return failed ? -1 : 0;
 }
 
+#define DECODE_ARGS                                                                                        \
+    const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, const int64_t *rows,           \
+        int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks,                    \
+        const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, int64_t num_decodes,      \
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale
+#define DECODE_CALL(KIND)                                                                                  \
+    paged_decode_attention(q, q_row_stride, out, out_row_stride, rows, num_q_rows, k_cache, v_cache,         \
+                           num_blocks, block_tables, table_width, seq_lens, num_decodes, num_heads,         \
+                           num_kv_heads, head_dim, block_size, scale, KIND)
+int tidal_paged_decode_attention_f32(DECODE_ARGS) { return DECODE_CALL(KV_F32); }
+int tidal_paged_decode_attention_f16(DECODE_ARGS) { return DECODE_CALL(KV_F16); }
+int tidal_paged_decode_attention_bf16(DECODE_ARGS) { return DECODE_CALL(KV_BF16); }
+#undef DECODE_ARGS
+#undef DECODE_CALL
+
 /* Token t's K and V rows (row_len floats each, at k + t * k_stride and v + t * v_stride) go to
- * row slots[t] of k_cache / v_cache ([num_slots, row_len]); a negative slot (a padding token)
- * is skipped. Returns 0, or -1 when a slot is >= num_slots (then nothing is written). */
-int tidal_write_kv_cache_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                             const int64_t *slots, int64_t num_tokens, float *k_cache, float *v_cache,
-                             int64_t num_slots, int64_t row_len) {
+ * row slots[t] of k_cache / v_cache ([num_slots, row_len] of the cache's element type); a
+ * negative slot (a padding token) is skipped. Returns 0, or -1 when a slot is >= num_slots
+ * (then nothing is written). */
+static inline __attribute__((always_inline)) int write_kv_cache(const float *k, int64_t k_stride, const float *v,
+                                                                int64_t v_stride, const int64_t *slots,
+                                                                int64_t num_tokens, void *k_cache, void *v_cache,
+                                                                int64_t num_slots, int64_t row_len, const int kind) {
     for (int64_t t = 0; t < num_tokens; ++t)
         if (slots[t] >= num_slots) return -1;
 #pragma omp parallel for schedule(static) if (num_tokens * row_len > 65536)
     for (int64_t t = 0; t < num_tokens; ++t) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row_len, k + t * k_stride, sizeof(float) * row_len);
-        memcpy(v_cache + slots[t] * row_len, v + t * v_stride, sizeof(float) * row_len);
+        kv_store_row(k_cache, slots[t] * row_len, k + t * k_stride, row_len, kind);
+        kv_store_row(v_cache, slots[t] * row_len, v + t * v_stride, row_len, kind);
     }
     return 0;
 }
+
+#define WRITE_ARGS                                                                                         \
+    const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,                \
+        int64_t num_tokens, void *k_cache, void *v_cache, int64_t num_slots, int64_t row_len
+#define WRITE_CALL(KIND) \
+    write_kv_cache(k, k_stride, v, v_stride, slots, num_tokens, k_cache, v_cache, num_slots, row_len, KIND)
+int tidal_write_kv_cache_f32(WRITE_ARGS) { return WRITE_CALL(KV_F32); }
+int tidal_write_kv_cache_f16(WRITE_ARGS) { return WRITE_CALL(KV_F16); }
+int tidal_write_kv_cache_bf16(WRITE_ARGS) { return WRITE_CALL(KV_BF16); }
+#undef WRITE_ARGS
+#undef WRITE_CALL

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.protocol.utils import cdiv
-from tidal.worker.layers.gemm import PackedWeight, linear, pack_if_enabled
+from tidal.worker.layers.gemm import PanelWeight, PackedWeight, linear, pack_if_enabled
 from tidal.worker.layers.linear import LoadedWeight, copy_checked, narrow_weight, weight_shape
 from tidal.worker.parallel_state import (
     get_tp_rank,
@@ -25,6 +25,10 @@ from tidal.worker.parallel_state import (
 
 
 class VocabParallelEmbedding(nn.Module):
+    # Set when the table is stored in half precision but the model computes in float32 (see
+    # loader.compute_in_float32): looked-up rows are widened to it.
+    output_dtype: torch.dtype | None = None
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank()
@@ -51,14 +55,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce sums the
         # single rank that owns each id.
         mask = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index) * mask
-        out = F.embedding(local_ids, self.weight)
+        out = self._lookup(local_ids)
         out.masked_fill_(~mask.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight)
+        return rows if self.output_dtype is None else rows.to(self.output_dtype)
 
     def extra_repr(self) -> str:
         return (
@@ -70,7 +78,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; `compute_logits` returns the full (true) vocab."""
 
-    packed_weight: PackedWeight | None = None
+    packed_weight: PackedWeight | PanelWeight | None = None
     tied: bool = False
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":

@@ -1,15 +1,24 @@
-"""Dense GEMM for linear layers: `F.linear`, or oneDNN with weights packed once on x86 CPUs.
+"""Dense GEMM for linear layers on CPUs: tidal's panel GEMM, oneDNN with weights packed once, or
+`F.linear`.
 
 torch's CPU `F.linear` in float32 goes to MKL, which on this project's AMD (Zen 4) machines is
 slow for the small row counts of decode steps: 36-40 GFLOPS at 4 rows, ~140 at 32, ~175 at 4096.
 oneDNN with the weight reordered once into its blocked layout gives 105-157, ~200 and ~215 on
-the same shapes (`python scripts/bench_cpu_kernels.py` prints both). vLLM's CPU backend makes the same
-choice. The packed weight replaces the dense one, so memory does not grow.
+the same shapes, but builds a primitive for every new row count: a cold batch meets a new one
+almost every step (hence the row buckets below) and the primitive cache grows. tidal's own
+kernel (PanelWeight, worker/panel_gemm.py, csrc/gemm_panels.c) builds nothing per shape and
+measured faster still on the offline workload (the forward 3.8 s -> 3.0 s), so float32 weights
+go there wherever its vectorized (AVX2/FMA/F16C) path is compiled, to oneDNN elsewhere.
 
-Set TIDAL_CPU_ONEDNN_GEMM=0 to keep every linear layer on `F.linear`. Row counts are padded to
-buckets (gemm_bucket; TIDAL_CPU_GEMM_BUCKETS=0 turns that off) and the decode-size buckets are
-built at start-up (warm_up_gemm_buckets), so a cold batch runs as fast as a warm one and
-oneDNN's primitive cache stops growing.
+Half-precision weights (dtype float16 / bfloat16 on CPU) always go to the panel GEMM: oneDNN has
+no fp16/bf16 GEMM for AVX2-only CPUs, and decode steps are bound by the bytes of weight they
+read, which half storage halves. Activations stay float32; TIDAL_CPU_HALF_WEIGHTS=0 runs such
+models in torch's half ops instead.
+
+TIDAL_CPU_GEMM=onednn puts float32 weights on oneDNN, =torch on `F.linear`. oneDNN's row counts
+are padded to buckets (gemm_bucket; TIDAL_CPU_GEMM_BUCKETS=0 turns that off) and its decode-size
+buckets are built at start-up (warm_up_gemm_buckets), so a cold batch runs as fast as a warm one
+and its primitive cache stops growing.
 """
 
 from __future__ import annotations
@@ -46,8 +55,16 @@ def _onednn_self_test(dtype: torch.dtype) -> bool:
         return False
 
 
+def _cpu_gemm_choice() -> str:
+    choice = envs.TIDAL_CPU_GEMM
+    if choice not in ("auto", "onednn", "torch"):
+        raise ValueError(f"TIDAL_CPU_GEMM={choice!r}: expected auto, onednn or torch")
+    return choice
+
+
 def onednn_gemm_enabled(weight: torch.Tensor) -> bool:
-    if not envs.TIDAL_CPU_ONEDNN_GEMM:
+    """oneDNN can take this weight (and TIDAL_CPU_GEMM allows it)."""
+    if _cpu_gemm_choice() == "torch":
         return False
     if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
         return False
@@ -74,7 +91,68 @@ class PackedWeight:
         return self.packed.to_dense()
 
 
-def pack_if_enabled(weight: torch.Tensor) -> PackedWeight | None:
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def half_storage_enabled(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """A model in `dtype` on `device` keeps its weights (and KV cache) in half precision but
+    computes in float32: CPU, fp16/bf16, and the panel GEMM built. The loader decides once per
+    model (worker/loader.py), so every layer agrees on the activations' dtype."""
+    if torch.device(device).type != "cpu" or dtype not in _HALF_DTYPES or not envs.TIDAL_CPU_HALF_WEIGHTS:
+        return False
+    from tidal.worker.panel_gemm import panel_gemm_available
+
+    return panel_gemm_available(dtype)
+
+
+def panel_gemm_enabled(weight: torch.Tensor) -> bool:
+    """The weight goes to tidal's own GEMM (worker/panel_gemm.py): half weights under
+    half_storage_enabled; float32 ones with TIDAL_CPU_GEMM=auto where the kernel's vectorized
+    path is built."""
+    if weight.dim() != 2 or weight.device.type != "cpu":
+        return False
+    if weight.dtype in _HALF_DTYPES:
+        return half_storage_enabled(weight.dtype, weight.device)
+    if weight.dtype != torch.float32 or _cpu_gemm_choice() != "auto":
+        return False
+    from tidal.worker.panel_gemm import panel_gemm_available
+
+    return panel_gemm_available(torch.float32)
+
+
+class PanelWeight:
+    """A [out, in] weight (float32, fp16 or bf16) in the panel GEMM's layout; `linear(x, bias)`
+    takes and returns float32 and equals `F.linear(x, weight.float(), bias)` up to summation
+    order. No row buckets: the kernel builds nothing per shape."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        from tidal.worker.panel_gemm import pack_weight
+
+        self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        self.packed = pack_weight(weight.detach(), weight.dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from tidal.worker.panel_gemm import panel_linear
+
+        n, k = self.shape
+        if x.dim() != 2:  # the model runs [tokens, features]; anything else is rare
+            return self.linear(x.reshape(-1, k), bias).view(*x.shape[:-1], n)
+        if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+            raise TypeError(f"panel GEMMs compute in float32; got x {x.dtype}, bias "
+                            f"{None if bias is None else bias.dtype}")
+        return panel_linear(x, self.packed, n, k, bias)
+
+    def to_dense(self) -> torch.Tensor:
+        from tidal.worker.panel_gemm import unpack_weight
+
+        return unpack_weight(self.packed, *self.shape)
+
+
+def pack_if_enabled(weight: torch.Tensor) -> PackedWeight | PanelWeight | None:
+    """The weight in the layout of the fastest GEMM for it, or None to keep `F.linear`."""
+    if panel_gemm_enabled(weight):
+        return PanelWeight(weight)
     return PackedWeight(weight) if onednn_gemm_enabled(weight) else None
 
 
@@ -107,13 +185,15 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return padded
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | PanelWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) with the packed weight when there is one, else the dense one. The packed
     GEMM runs on rows padded to gemm_bucket (TIDAL_CPU_GEMM_BUCKETS=0: exact rows); the padding
     rows' results are dropped, and a row's result does not depend on the other rows."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, PanelWeight):
+        return packed.linear(x, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
     bucket = gemm_bucket(rows) if rows > 0 and packed.bucketed else rows
     if bucket == rows:

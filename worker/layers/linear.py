@@ -12,7 +12,7 @@ from typing import Any, Protocol, Union
 import torch
 from torch import nn
 
-from tidal.worker.layers.gemm import PackedWeight, linear, pack_if_enabled
+from tidal.worker.layers.gemm import PanelWeight, PackedWeight, linear, pack_if_enabled
 from tidal.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
@@ -83,7 +83,7 @@ class LinearBase(nn.Module):
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.has_bias = bias
-        self.packed_weight: PackedWeight | None = None
+        self.packed_weight: PackedWeight | PanelWeight | None = None
 
     def _make_params(self, out_features: int, in_features: int, bias: bool) -> None:
         # torch.empty: the loader (or dummy init) fills every element.
