@@ -13,9 +13,10 @@ its outputs exist.
 
 Handshake: a front-end's first call is the utility HELLO, answered with the core's
 ResolvedEngineInfo; a core that fails to start answers it (and writes `--error-file`) with its
-error text. Death: an exception in the loop sends `engine_dead` to every front-end and exits
-non-zero; SIGTERM/SIGINT shut down cleanly; a spawned core exits when its parent dies
-(PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread). A headless core drains on
+error text. Death: an exception in the loop sends `engine_dead` to every front-end, naming its
+requests that were in the step that failed (`failed_step_request_ids`: the suspects it
+quarantines), and exits non-zero; SIGTERM/SIGINT shut down cleanly; a spawned core exits when
+its parent dies (PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread). A headless core drains on
 SIGTERM first (core/drain.py): no new requests, the ones in flight finish (bounded), then the
 same clean shutdown. A keyed core (`key_file`) serves only front-ends holding its CURVE key
 (protocol/curve.py).
@@ -67,7 +68,8 @@ class _Shutdown(BaseException):
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, address: str, *, error_file: str | None = None,
                  freeze_gc: bool = False, key_file: str | None = None, drain: Drain | None = None) -> None:
-        """freeze_gc: gc.freeze() once the engine is up (only when this process is the core).
+        """freeze_gc: gc.freeze() once the engine is up and has answered its first input (only
+        when this process is the core).
         key_file: CURVE key file (required to bind off loopback). drain: SIGTERM drains first."""
         self.config = config
         self.drain = drain
@@ -95,14 +97,11 @@ class EngineCoreProc:
             logger.exception("engine core failed to start")
             self._fail_start(f"{type(e).__name__}: {e}")
             return 1
-        # Everything allocated so far (torch, the model, the block pool) lives as long as the
-        # process: keep it out of every future GC pass, which would otherwise walk it again and
-        # again and cost the busy loop milliseconds per step (vLLM's core does the same).
-        if self.freeze_gc:
-            gc.collect()
-            gc.freeze()
         logger.info("engine core ready at %s: %s", self.io.address, self.engine.info)
         code, dead_msg = 0, "engine core shut down"
+        # The requests of the step that failed, by front-end (None: unknown); a core stopped on
+        # purpose failed in no step.
+        failed: dict[Any, list[str]] | None = {}
         try:
             self._busy_loop()
             if self.drain is not None:
@@ -112,10 +111,13 @@ class EngineCoreProc:
         except BaseException as e:
             logger.exception("engine core busy loop failed")
             code, dead_msg = 1, summarize_exception(e)
+            failed = self.engine.failed_step_request_ids()
         self._shutting_down = True
-        # Whatever the reason, every front-end learns it now instead of waiting on a timeout.
+        # Whatever the reason, every front-end learns it now instead of waiting on a timeout,
+        # with its requests that were in the failing step (the suspects it quarantines).
         for identity in self._clients:
-            self.io.send(identity, EngineCoreOutputs(engine_dead=dead_msg))
+            self.io.send(identity, EngineCoreOutputs(
+                engine_dead=dead_msg, failed_step_request_ids=None if failed is None else failed.get(identity, [])))
         try:
             self.engine.shutdown()
         finally:
@@ -160,7 +162,19 @@ class EngineCoreProc:
             self.engine.check_health()
             return False
         self._handle(item)
+        if self.freeze_gc:
+            self._freeze_gc()
         return True
+
+    def _freeze_gc(self) -> None:
+        """Everything allocated at start-up (torch, the model, the block pool) lives as long as
+        the process: keep it out of every future GC pass, which would otherwise walk it again
+        and again and cost the busy loop milliseconds per step (vLLM's core does the same).
+        Done after the first input (the front-end's handshake) has been answered: the collect
+        takes ~0.1 s, which the front-end then spends on its own set-up instead of waiting."""
+        self.freeze_gc = False
+        gc.collect()
+        gc.freeze()
 
     def _step(self) -> None:
         for identity, outputs in self.engine.step().items():

@@ -14,6 +14,9 @@ Invariants:
 - `apply_input` (the core process's input drain) runs between the forward pass and the update
   that builds the step's outputs, so an abort that arrived during the forward pass wins over
   it: the request gets its one ABORT output, and the tokens of the step it raced are dropped.
+- A step that raises leaves `_step_in_flight` set: `failed_step_request_ids` then names each
+  front-end's requests that were in it, for the `engine_dead` message (the front-end
+  quarantines them on the next core, OutputProcessor.resume_after_crash).
 """
 from __future__ import annotations
 
@@ -26,7 +29,14 @@ from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.core.scheduler import Scheduler
 from tidal.core.structured_output import StructuredOutputManager
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ErrorKind, FinishReason
+from tidal.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ErrorKind,
+    FinishReason,
+    SchedulerOutput,
+)
 from tidal.protocol.request_rules import RequestLimits, check_request
 from tidal.protocol.utils import summarize_exception
 
@@ -67,6 +77,7 @@ class EngineCore:
         self.forward_time_s = 0.0
         self.step_time_s = 0.0
         self.num_steps = 0
+        self._step_in_flight: SchedulerOutput | None = None  # set while a step runs (see invariants)
         self._utilities: dict[str, Callable[..., Any]] = {
             "get_stats": self.scheduler.make_stats,
             "reset_prefix_cache": self.scheduler.reset_prefix_cache,
@@ -177,6 +188,7 @@ class EngineCore:
             if som.has_pending():  # nothing runs until a grammar is ready: sleep, do not spin
                 som.wait_for_grammars(_GRAMMAR_POLL_S)
             return
+        self._step_in_flight = scheduler_output
         grammar_failures = som.fill_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         self.forward_time_s += runner_output.forward_time_s
@@ -191,6 +203,27 @@ class EngineCore:
                 for out in outs:
                     out.request_id = external_id(out.request_id, client)
             self._outbox.setdefault(client, []).extend(outs)
+        self._step_in_flight = None
+
+    def failed_step_request_ids(self) -> dict[ClientIndex, list[str]] | None:
+        """After `step()` raised: the requests that were in the step that failed, by front-end,
+        with that front-end's ids; None when the exception came from outside a step."""
+        step = self._step_in_flight
+        if step is None:
+            return None
+        by_client: dict[ClientIndex, list[str]] = {}
+        for rid in step.num_scheduled_tokens:
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                client = request.client_index
+            else:  # ended during the step: its id names its front-end (internal_id)
+                ext, sep, client_hex = rid.rpartition("\x00")
+                try:
+                    client = bytes.fromhex(client_hex) if sep else None
+                except ValueError:
+                    client = None
+            by_client.setdefault(client, []).append(external_id(rid, client))
+        return by_client
 
     def _fail_grammars(self, failures: list[tuple[Request, str]]) -> None:
         """Requests whose grammar could not be compiled: each ends alone with an ERROR output."""

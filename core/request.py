@@ -113,6 +113,9 @@ class Request:
         # prompt, and those rows must not reach the user twice.
         self.num_prompt_logprobs_sent: int = 0
         self.events: list[EngineCoreEvent] = []  # recorded only when stats are on
+        # Suspected of a crash: runs only in a step of its own until its first token (see
+        # core/quarantine.py); the scheduler lifts it then.
+        self.quarantined: bool = False
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int,
@@ -130,6 +133,7 @@ class Request:
         if req.resumed_output_token_ids:  # resumed after a core restart: as if preempted
             request.append_output_token_ids(list(req.resumed_output_token_ids))
         request.num_prompt_logprobs_sent = req.num_prompt_logprobs_sent
+        request.quarantined = req.quarantined
         return request
 
     # ------------------------------------------------------------------ tokens

@@ -19,6 +19,8 @@ Invariants:
   back out of the step (its tokens return to the budget). As in vLLM V1, a waiting request
   never preempts a running one: a high-priority arrival is admitted when blocks allow, and from
   then on the lower-priority running requests are the ones preempted as blocks run out.
+- A quarantined request (suspected of a crash) runs only in a step of its own until its first
+  token; while any is queued, `Quarantine` (core/quarantine.py) plans the steps.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.quarantine import Quarantine
 from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.core.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from tidal.protocol.config import EngineConfig
@@ -100,6 +103,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Ids whose runner state must be dropped; sent (then cleared) by the next schedule().
         self.finished_req_ids: dict[str, None] = {}  # ordered set
+        self.quarantine: Quarantine = Quarantine()  # requests that run alone (core/quarantine.py)
         # Stats (cumulative unless noted).
         self.num_preemptions: int = 0
         self.num_prompt_tokens: int = 0
@@ -135,6 +139,8 @@ class Scheduler:
             request.record_event(EngineCoreEventType.QUEUED)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        if request.quarantined:
+            self.quarantine.add(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort, error): free their blocks, drop them from the
@@ -165,6 +171,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        if request.quarantined:
+            self.quarantine.discard(request)
         if request.num_synced_tokens > 0:
             self.finished_req_ids[request.request_id] = None
             request.num_synced_tokens = 0
@@ -187,9 +195,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.max_num_batched_tokens)
-        self._schedule_running(plan)
-        if not plan.preempted:  # no WAITING request joins a step that had to preempt
-            self._schedule_waiting(plan)
+        if self.quarantine:
+            self.quarantine.schedule(self, plan)
+        else:
+            self._schedule_all(plan)
         total = self.max_num_batched_tokens - plan.token_budget
         self.num_batched_tokens = total
         self.num_scheduled_seqs = len(plan.num_scheduled_tokens)
@@ -202,6 +211,11 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished_req_ids,
         )
+
+    def _schedule_all(self, plan: _StepPlan) -> None:
+        self._schedule_running(plan)
+        if not plan.preempted:  # no WAITING request joins a step that had to preempt
+            self._schedule_waiting(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """RUNNING requests, in admission order; preempt (see the invariants) when blocks run out."""

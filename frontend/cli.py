@@ -71,6 +71,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_core(args: argparse.Namespace) -> int:
+    from tidal.protocol.utils import prefer_compute_process_env
+
+    prefer_compute_process_env()  # before torch loads (with the model)
     from tidal.core.core_proc import run_engine_core
     from tidal.protocol.curve import check_bind_security, load_key_file
     from tidal.protocol.zmq_utils import validate_address

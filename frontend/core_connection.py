@@ -57,6 +57,9 @@ class MPClientBase:
         # new one and the front-end resubmitted its requests; sends are dropped meanwhile
         # (their requests are registered in the front-end and go with the resubmission).
         self.lost: str | None = None
+        # With `lost`: the front-end's requests that were in the step that failed (the lost
+        # core's engine_dead said so); None when unknown (e.g. the process just vanished).
+        self.failed_step_request_ids: list[str] | None = None
         self.num_restarts = 0
         self.resumable = False  # the front-end resubmits its requests after a restart (it sets this)
         self._reconnecting = threading.Lock()  # shutdown() waits for a reconnect() in flight
@@ -153,14 +156,17 @@ class MPClientBase:
         is due; the front-end then calls `reconnect()` and resubmits its requests."""
         self._on_lost_callbacks.append(fn)
 
-    def mark_dead(self, reason: str, restartable: bool = True) -> None:
+    def mark_dead(self, reason: str, restartable: bool = True,
+                  failed_step_request_ids: list[str] | None = None) -> None:
         """From the watcher thread, or from the reader on an engine_dead message: the core is
         gone. While restarts are left (max_core_restarts within CORE_RESTART_WINDOW_S; a
         headless core: core_reconnect_timeout_s > 0) it is only lost; else, or when not
-        `restartable` (a failure of this front-end's own), the engine is dead. Idempotent."""
+        `restartable` (a failure of this front-end's own), the engine is dead. Idempotent.
+        failed_step_request_ids: what the engine_dead message said (None: unknown)."""
         if self.dead is not None or self._closed or self.lost is not None:
             return
         if restartable and self._restart_allowed():
+            self.failed_step_request_ids = failed_step_request_ids
             self.lost = reason
             logger.error("engine core lost: %s; restarting it and resuming its requests "
                          "(restart %d of at most %d within %gs)", reason, len(self._restart_times) + 1,
@@ -223,10 +229,10 @@ class MPClientBase:
 
     def _start_replacement(self) -> ResolvedEngineInfo:
         """Stop what is left of the lost core, start (or reach) a new one and handshake."""
+        self._close_socket()  # first: its monitor goes before the watcher's end of it (see there)
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
-        self._close_socket()
         if self.process is not None:
             self.process.shutdown(grace_s=1.0)  # one that failed on purpose is exiting anyway
         self._open()
@@ -256,7 +262,10 @@ class MPClientBase:
     def _decode(self, frames: list[Any]) -> EngineCoreOutputs:
         outs = self._decoder.decode(frames)
         if outs.engine_dead is not None:
-            self.mark_dead(outs.engine_dead)
+            if self.lost is not None and self.failed_step_request_ids is None:
+                # The watcher saw the process go first: the core's last word still counts.
+                self.failed_step_request_ids = outs.failed_step_request_ids
+            self.mark_dead(outs.engine_dead, failed_step_request_ids=outs.failed_step_request_ids)
         return outs
 
     def _encode(self, kind: bytes, obj: Any) -> list[Any]:
@@ -285,17 +294,25 @@ class MPClientBase:
         self._teardown()
 
     def _close_socket(self) -> None:
+        """Close the DEALER, its monitor first. libzmq sends monitor events with a blocking send
+        from its IO thread: an event (a DISCONNECTED as the old core goes) for a monitor whose
+        reader, the watcher, has closed its end blocks that thread for good, and with it every
+        socket of this context -- a replacement core's handshake then never gets through."""
         sock = getattr(self, "sock", None)
         if sock is not None and not sock.closed:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
             try:
                 sock.close(linger=self._linger_ms)
             except Exception:  # e.g. an asyncio socket whose loop is closed already
                 zmq.Socket.shadow(sock.underlying).close(linger=self._linger_ms)
 
     def _teardown(self) -> None:
+        self._close_socket()  # before the watcher stops (see _close_socket)
         if self.watcher is not None:
             self.watcher.stop()
-        self._close_socket()
         if self.process is not None:
             self.process.shutdown()
         self.ctx.destroy(linger=self._linger_ms)

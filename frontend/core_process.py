@@ -20,6 +20,7 @@ import zmq
 
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.process import stop_process
+from tidal.protocol.utils import compute_process_env
 from tidal.protocol.zmq_utils import IpcDir
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class CoreProcess:
             "--cleanup-dir", self.ipc_dir.path,
         ]
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
         except BaseException:
             self.ipc_dir.cleanup()
             raise
@@ -124,18 +125,19 @@ class CoreWatcher:
         # Without a pidfd the process is polled: every 100 ms bounds the detection delay.
         timeout_ms = None if self._process is None or self._pidfd >= 0 else 100
         reason = None
-        try:
-            while reason is None:
-                ready = dict(poller.poll(timeout_ms))
-                if self._stop_r in ready:
-                    return
-                if self._process is not None and (rc := self._process.poll()) is not None:
-                    reason = f"the engine-core process exited unexpectedly (exit code {rc})"
-                elif self._mon in ready:
-                    self._mon.recv_multipart()
-                    reason = "lost the connection to the engine core"
-        finally:
-            self._mon.close(linger=0)
+        # The monitor's reader stays open after a death (stop() closes it): libzmq sends monitor
+        # events with a blocking send from its IO thread, and an event for a reader that is
+        # gone would block that thread -- every socket of the context -- for good. The owner
+        # disables the monitor before it stops the watcher (core_connection._close_socket).
+        while reason is None:
+            ready = dict(poller.poll(timeout_ms))
+            if self._stop_r in ready:
+                return
+            if self._process is not None and (rc := self._process.poll()) is not None:
+                reason = f"the engine-core process exited unexpectedly (exit code {rc})"
+            elif self._mon in ready:
+                self._mon.recv_multipart()
+                reason = "lost the connection to the engine core"
         # A core that dies on purpose (exception, SIGTERM) sends `engine_dead` with its reason
         # just before it goes; give the reader a moment to report that one first (on_dead is
         # idempotent, so whichever comes second is a no-op).
@@ -151,6 +153,8 @@ class CoreWatcher:
         os.write(self._stop_w, b"x")
         if threading.current_thread() is not self._thread:
             self._thread.join(2.0)
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            self._mon.close(linger=0)  # the thread is done with it (joined, or it is this thread)
         os.close(self._stop_w)
         os.close(self._stop_r)
         self._stop_w = self._stop_r = -1

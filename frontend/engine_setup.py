@@ -13,7 +13,7 @@ from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
-from tidal.protocol.config_views import ModelConfig, resolved_dtype_name
+from tidal.protocol.config_views import ModelConfig
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.request_rules import check_priority
@@ -49,7 +49,6 @@ class FrontEnd(Generic[C]):
         (vLLM's `stat_loggers` factories are called with (vllm_config, engine_index 0))."""
         if config.model and os.path.isdir(config.model):
             check_model_architecture(config.model)
-            check_kv_cache_dtype(config)
         client = make_client(config)
         try:  # whatever fails from here on, the core just started must not outlive it
             self._build(config, client, stat_loggers)
@@ -116,11 +115,14 @@ class FrontEnd(Generic[C]):
         """A new engine core replaced a lost one (the client's reconnect()): send it every open
         request, resuming where its stream is; returns ERROR outputs for the requests given up
         (see OutputProcessor.resume_after_crash), to be processed like any core output."""
-        resend, give_up = self.output_processor.resume_after_crash()
+        failed_ids = getattr(self.engine_core, "failed_step_request_ids", None)
+        resend, give_up = self.output_processor.resume_after_crash(failed_ids)
         self.engine_core.resubmit(resend)
         if self.metrics is not None:
             self.metrics.record_core_restart()
-        logger.warning("resumed %d request(s) on the restarted engine core%s", len(resend),
+        quarantined = sum(r.quarantined for r in resend)
+        logger.warning("resumed %d request(s) on the restarted engine core%s%s", len(resend),
+                       f" ({quarantined} quarantined: each runs alone until its next token)" if quarantined else "",
                        f"; gave up on {len(give_up)} in flight during repeated failures" if give_up else "")
         return give_up
 
@@ -169,14 +171,6 @@ class FrontEnd(Generic[C]):
             self.shutdown()
         except Exception:
             pass
-
-
-def check_kv_cache_dtype(config: EngineConfig) -> None:
-    """The KV cache is kept in the model's dtype: another one is a ValueError, raised before
-    any process starts."""
-    if config.kv_cache_dtype not in ("auto", resolved_dtype_name(config)):
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a KV cache dtype other than the "
-                         f"model's ({resolved_dtype_name(config)}) is not supported by tidal")
 
 
 def load_tokenizer(config: EngineConfig) -> Any:

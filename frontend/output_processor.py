@@ -44,7 +44,7 @@ class RequestState:
     __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
                  "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
                  "text", "text_parts", "token_ids", "core_request", "generated", "num_prompt_lp_rows",
-                 "progress_mark", "crash_streak")
+                 "progress_mark", "suspect_streak", "solo_crashes", "quarantined")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
                  index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
@@ -65,13 +65,17 @@ class RequestState:
         self.token_ids: list[int] = []  # all output ids (not kept for DELTA)
         # For a resubmission after a core restart (OutputProcessor.resume_after_crash): what
         # was sent, every token the core generated so far, the prompt-logprob rows received,
-        # len(generated) when it was last sent, and the crashes in a row it made no progress in.
+        # len(generated) when it was last sent, the crashes in a row it was a suspect of
+        # without progress, the crashes while it ran alone (quarantined) without progress, and
+        # whether it goes back quarantined.
         self.core_request = request
         # CUMULATIVE and FINAL_ONLY keep every output id anyway: one list serves both.
         self.generated: list[int] = self.token_ids if self._keeps_token_ids else []
         self.num_prompt_lp_rows = 0
         self.progress_mark = 0
-        self.crash_streak = 0
+        self.suspect_streak = 0
+        self.solo_crashes = 0
+        self.quarantined = False
 
     def update(self, out: EngineCoreOutput, step: "_Step | None" = None) -> CompletionOutput | None:
         """Apply one core output (of the core message `step`, whose IterationStats it feeds when
@@ -254,28 +258,59 @@ class OutputProcessor:
         exc.request_id = state.external_req_id  # type: ignore[attr-defined]
         state.queue.put(exc) if state.queue is not None else request_outputs.append(exc)
 
-    def resume_after_crash(self) -> tuple[list[EngineCoreRequest], list[EngineCoreOutput]]:
+    def resume_after_crash(self, failed_step_request_ids: list[str] | None = None
+                           ) -> tuple[list[EngineCoreRequest], list[EngineCoreOutput]]:
         """The engine core died and a new one runs: the requests to send it, each resuming
         where its stream is (the tokens generated so far go as `resumed_output_token_ids`, the
         prompt-logprob rows received are not sent again), and an ERROR output for each request
-        given up: one that made no progress across two crashes in a row (the likely cause of
-        both) is not resubmitted again. What the lost core had sent after the last message
-        read here is generated again, identically (sampling is a function of seed and
-        position)."""
+        given up. What the lost core had sent after the last message read here is generated
+        again, identically (sampling is a function of seed and position).
+
+        Blame (`failed_step_request_ids`: this front-end's requests in the step that failed,
+        from the dying core's engine_dead; None when unknown, e.g. the core process vanished):
+        - A request that made progress (a new token) since the last restart starts clean.
+        - Known step: the requests in it are the suspects; each goes back `quarantined`, which
+          the core runs only in a step of its own until its next token. The others were not in
+          the step: nothing changes for them, however many crashes they wait through. A
+          request that crashes the engine while quarantined was alone in the step, and after
+          its second such crash without progress it is given up (one crash alone can be a
+          coincidence: a fault from outside that struck during its step; every suspect of a big
+          batch runs such a solo step, and it goes first on the next core). A request that
+          crashes the engine whenever it runs thus fails after three crashes.
+        - Unknown step (the old rule): the requests without progress are the suspects; one that
+          was a suspect of two crashes in a row is given up.
+        Given up: an ERROR output, "request was in flight during repeated engine failures".
+        Struck requests (a crash while alone) are resent first, so that they run first."""
         self._awaiting_final.clear()  # the old core's final outputs will never come
+        failed = None if failed_step_request_ids is None else set(failed_step_request_ids)
         resend: list[EngineCoreRequest] = []
         give_up: list[EngineCoreOutput] = []
         for state in self.request_states.values():
-            progressed = len(state.generated) > state.progress_mark
-            state.crash_streak = 0 if progressed else state.crash_streak + 1
-            if state.crash_streak >= 2:
+            if len(state.generated) > state.progress_mark:  # progress: cleared of past crashes
+                state.suspect_streak = state.solo_crashes = 0
+                state.quarantined = False
+            if failed is None:
+                state.suspect_streak = 0 if len(state.generated) > state.progress_mark else state.suspect_streak + 1
+                guilty = state.suspect_streak >= 2
+            elif state.request_id in failed:
+                state.suspect_streak += 1
+                if state.quarantined:  # it ran alone (and made no progress): the crash was its
+                    state.solo_crashes += 1
+                state.quarantined = True
+                guilty = state.solo_crashes >= 2
+            else:
+                state.suspect_streak = 0
+                guilty = False
+            if guilty:
                 give_up.append(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ERROR,
                                                 error="request was in flight during repeated engine failures"))
                 continue
             state.progress_mark = len(state.generated)
             resend.append(msgspec.structs.replace(
                 state.core_request, resumed_output_token_ids=list(state.generated),
-                num_prompt_logprobs_sent=state.num_prompt_lp_rows))
+                num_prompt_logprobs_sent=state.num_prompt_lp_rows, quarantined=state.quarantined))
+        if any(self.request_states[r.request_id].solo_crashes for r in resend):
+            resend.sort(key=lambda r: not self.request_states[r.request_id].solo_crashes)  # stable
         return resend, give_up
 
     def _emit(self, state: RequestState, completion: CompletionOutput,

@@ -66,6 +66,11 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # checks go on exactly where they were.
     resumed_output_token_ids: list[int] = []
     num_prompt_logprobs_sent: int = 0  # prompt-logprob rows the front-end has (not sent again)
+    # A resumed request suspected of a crash (it was in the step that failed): the scheduler
+    # runs it only in a step of its own until it produces a token, so that a crash while it
+    # runs proves it guilty and never blames the requests it would have shared a step with
+    # (see core/quarantine.py, OutputProcessor.resume_after_crash).
+    quarantined: bool = False
 
 
 # An argument of a utility call: scalars only (no utility takes a container), so that an
@@ -175,6 +180,10 @@ class EngineCoreOutputs(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     engine_dead: str | None = None  # set once, on the last message of a dying core
+    # With engine_dead: this front-end's requests (its ids) that were in the step that failed;
+    # [] when none of its requests were (or the core stopped on purpose), None when unknown
+    # (no step was running, or the message did not say).
+    failed_step_request_ids: list[str] | None = None
 
 
 # ---------------------------------------------------------------- core -> workers

@@ -4,13 +4,15 @@
         [--random-input-len 256] [--random-output-len 64] [--random-range-ratio 0.0] [engine args]
 
 Starts `tidal serve DIR [engine args]` on 127.0.0.1 (a free port), waits for /health, sends a
-warm-up request, then `--num-prompts` streamed /v1/completions requests (random token-id
+warm-up request and `--num-warmups` untimed workloads (default 1; LLM.generate gets the same),
+then `--num-prompts` streamed /v1/completions requests (random token-id
 prompts, ignore_eos) arriving as a Poisson process at `--request-rate` (inf: all at once), and
 prints vLLM's figures. The server is then stopped and reaped, the same workload runs through
 `LLM.generate` with the same engine args, and the last line is server tok/s / LLM.generate's.
 As vLLM: TTFT = first chunk - send; ITL = gaps between chunks; TPOT = (latency - TTFT) /
 (output tokens - 1); output tokens = usage.completion_tokens. Defaults suit a small CPU box
-(vLLM's: 1000 x 1024 -> 128). Client CPU is printed: on 2 cores it competes with the server.
+(vLLM's: 1000 x 1024 -> 128). CPU seconds of the client, the server's front-end and its engine
+core are printed: on 2 cores they compete.
 """
 from __future__ import annotations
 
@@ -206,7 +208,7 @@ async def run_client(base: str, requests: list[Request], args: argparse.Namespac
     return list(results), time.perf_counter() - t0
 
 
-def print_metrics(m: dict[str, Any], args: argparse.Namespace, client_cpu_s: float) -> None:
+def print_metrics(m: dict[str, Any], args: argparse.Namespace, cpu_s: tuple[float, float, float]) -> None:
     """vLLM's "Serving Benchmark Result" block (P50/P90/P99 in place of its median/P99)."""
     rows: list[tuple[str, Any]] = [("Successful requests:", m["completed"]), ("Failed requests:", m["failed"])]
     if args.request_rate != float("inf"):
@@ -216,7 +218,8 @@ def print_metrics(m: dict[str, Any], args: argparse.Namespace, client_cpu_s: flo
              ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
              ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
              ("Total Token throughput (tok/s):", f"{m['total_throughput']:.2f}"),
-             ("Client CPU (s):", f"{client_cpu_s:.2f}")]
+             ("Client CPU (s):", f"{cpu_s[0]:.2f}"), ("Server front-end CPU (s):", f"{cpu_s[1]:.2f}"),
+             ("Engine core CPU (s):", f"{cpu_s[2]:.2f}")]
     print(f"{' Serving Benchmark Result ':=^50}")
     print("\n".join(f"{k:<40} {v:<10}" for k, v in rows))
     for key, name, header in (("ttft", "TTFT", "Time to First Token"),
@@ -225,6 +228,22 @@ def print_metrics(m: dict[str, Any], args: argparse.Namespace, client_cpu_s: flo
         print(f"{header:-^50}")
         print("\n".join(f"{k:<40} {v:<10.2f}" for k, v in percentile_line(name, m[key])))
     print("=" * 50, flush=True)
+
+
+def server_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by the server's front-end process and by its
+    children (the engine core, its workers): where the 2 cores' time goes."""
+    import psutil
+
+    def cpu(p: psutil.Process) -> float:
+        try:
+            t = p.cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return 0.0
+
+    front = psutil.Process(pid)
+    return cpu(front), sum(cpu(c) for c in front.children(recursive=True))
 
 
 def start_server(model: str, port: int, engine_argv: list[str], log: Any) -> subprocess.Popen[bytes]:
@@ -261,8 +280,9 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 
 def run_offline(model: str, workloads: list[list[Request]], engine_kwargs: dict[str, Any],
-                temperature: float) -> list[float]:
-    """LLM.generate on the same workloads, one LLM (after a warm-up request): output tok/s each."""
+                temperature: float, warmups: list[list[Request]]) -> list[float]:
+    """LLM.generate on the same workloads, one LLM, after a warm-up request and the untimed
+    `warmups` (as the server had them): output tok/s each."""
     from tidal.frontend import LLM
     from tidal.protocol import SamplingParams
 
@@ -270,6 +290,10 @@ def run_offline(model: str, workloads: list[list[Request]], engine_kwargs: dict[
     with LLM(model, **engine_kwargs) as llm:
         llm.generate([{"prompt_token_ids": workloads[0][0].prompt_token_ids}], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
+        for requests in warmups:
+            llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                         [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature)
+                          for r in requests], use_tqdm=False)
         for requests in workloads:
             prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
             params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature)
@@ -303,11 +327,15 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, whole stream")
     p.add_argument("--no-offline", action="store_true", help="skip the LLM.generate reference")
+    p.add_argument("--num-warmups", type=int, default=1,
+                   help="untimed workloads of the same shape run first on each side (cold costs paid alike)")
     p.add_argument("--repeats", type=int, default=3,
                    help="workloads (seeds seed..seed+R-1) run on each side; the ratio is of the medians")
     args, engine_argv = p.parse_known_args()
-    if not 0.0 <= args.random_range_ratio < 1.0 or args.num_prompts < 1 or args.request_rate <= 0 or args.repeats < 1:
-        p.error("need 0 <= --random-range-ratio < 1, --num-prompts >= 1, --request-rate > 0, --repeats >= 1")
+    if not 0.0 <= args.random_range_ratio < 1.0 or args.num_prompts < 1 or args.request_rate <= 0 or args.repeats < 1 \
+            or args.num_warmups < 0:
+        p.error("need 0 <= --random-range-ratio < 1, --num-prompts >= 1, --request-rate > 0, --repeats >= 1, "
+                "--num-warmups >= 0")
     ep = argparse.ArgumentParser(prog="bench_serving.py: engine args", add_help=False, allow_abbrev=False)
     EngineArgs.add_cli_args(ep, exclude=frozenset({"model", "seed"}))
     engine_kwargs = vars(ep.parse_args(engine_argv))  # SUPPRESS defaults: only the flags given
@@ -315,8 +343,10 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
 
 
 def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
-                     ) -> list[tuple[list[Request], list[Result], float, float]]:
-    """Start the server, build the workload while it loads, run it; the server is stopped and
+                     ) -> tuple[list[tuple[list[Request], list[Result], float, tuple[float, float, float]]],
+                                list[list[Request]]]:
+    """Start the server, build the workloads while it loads, run them (warm-ups first, untimed):
+    (the timed runs, the warm-up workloads). The server is stopped and
     reaped on every path (its log is kept and its tail printed unless all went well)."""
     from transformers import AutoTokenizer
 
@@ -330,15 +360,21 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
             tok = AutoTokenizer.from_pretrained(args.model)
             special = set(tok.all_special_ids)
             vocab = [i for i in range(len(tok)) if i not in special]
-            # Distinct workloads per repeat: a repeated one would hit the prefix cache.
+            # Distinct workloads per repeat and warm-up: a repeated one would hit the prefix cache.
             workloads = [sample_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                         args.random_range_ratio, vocab, args.seed + i) for i in range(args.repeats)]
+                                         args.random_range_ratio, vocab, args.seed + i)
+                         for i in range(args.repeats + args.num_warmups)]
+            warmups, workloads = workloads[args.repeats:], workloads[:args.repeats]
             asyncio.run(wait_healthy(base, proc, args.ready_timeout))
+            for requests in warmups:
+                asyncio.run(run_client(base, requests, args))
             runs = []
             for requests in workloads:
-                cpu0 = time.process_time()
+                cpu0, server0 = time.process_time(), server_cpu_s(proc.pid)
                 results, duration = asyncio.run(run_client(base, requests, args))
-                runs.append((requests, results, duration, time.process_time() - cpu0))
+                server1 = server_cpu_s(proc.pid)
+                runs.append((requests, results, duration,
+                             (time.process_time() - cpu0, server1[0] - server0[0], server1[1] - server0[1])))
         except BaseException as e:
             stop_server(proc)
             log.flush()
@@ -353,7 +389,7 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
         print(f"note: the server exited with code {proc.returncode} on SIGTERM (log: {log.name})", file=sys.stderr)
     else:
         os.unlink(log.name)
-    return runs
+    return runs, warmups
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -367,17 +403,17 @@ def main() -> None:
         from tidal.frontend.make_model import ensure_default_model
 
         args.model = ensure_default_model()
-    runs = run_server_phase(args, engine_argv)
+    runs, warmups = run_server_phase(args, engine_argv)
     served = []
-    for requests, results, duration, client_cpu in runs:
+    for requests, results, duration, cpu_s in runs:
         metrics = compute_metrics(results, requests, duration)
         if errors := [r.error for r in results if not r.success]:
             print(f"{len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
-        print_metrics(metrics, args, client_cpu)
+        print_metrics(metrics, args, cpu_s)
         served.append(metrics["output_throughput"])
     if args.no_offline:
         return
-    offline = run_offline(args.model, [requests for requests, *_ in runs], engine_kwargs, args.temperature)
+    offline = run_offline(args.model, [requests for requests, *_ in runs], engine_kwargs, args.temperature, warmups)
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s"
     server_tp, offline_tp = float(np.median(served)), float(np.median(offline))
     print(f"server / LLM.generate output tok/s (rate {rate}, median of {len(runs)}): "

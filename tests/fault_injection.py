@@ -3,8 +3,9 @@
 `use_faulty_workers(monkeypatch, "1:3")` makes MultiprocExecutor start its ranks as
 `python tests/fault_injection.py 1:3 <worker_proc arguments>` instead of
 `python -m tidal.worker.worker_proc ...`. The spec "RANK:STEP" makes that rank raise when it
-receives its STEP-th step (1-based); "RANK:STEP:hang" makes it stop answering instead. The
-fault wraps `Worker.execute_model`, which the worker loop calls once per step, so the
+receives its STEP-th step (1-based); "RANK:STEP:hang" makes it stop answering instead;
+"RANK:poison:TOKEN" makes it SIGKILL itself in any step that starts a request whose prompt
+holds TOKEN (a request that crashes a worker every time it runs). The fault wraps `Worker.execute_model`, which the worker loop calls once per step, so the
 production loop carries no test branch.
 
 Per-request faults (tests/test_isolation.py): `use_sampling_fault(monkeypatch, TOKEN)` makes
@@ -12,11 +13,14 @@ Per-request faults (tests/test_isolation.py): `use_sampling_fault(monkeypatch, T
 a request whose index broke the sampler would), and `use_update_fault(monkeypatch, TOKEN)` makes
 the scheduler's per-request update raise for such a request. For an engine core in a process
 of its own, `python tests/fault_injection.py core:sample:TOKEN <core_proc arguments>` runs
-`tidal.core.core_proc` with the sampling fault installed (`core_command`).
+`tidal.core.core_proc` with the sampling fault installed (`core_command`), and
+`core:workers:SPEC` runs it with its workers started with the worker fault SPEC
+(`use_faulty_workers_in_spawned_cores`).
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -36,6 +40,15 @@ def use_faulty_workers(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
     from tidal.core.multiproc_executor import MultiprocExecutor
 
     monkeypatch.setattr(MultiprocExecutor, "worker_entry", worker_entry(spec))
+
+
+def use_faulty_workers_in_spawned_cores(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
+    """`use_faulty_workers` for the engine cores a front-end spawns (processes of their own,
+    which a monkeypatch here does not reach): each runs `tidal.core.core_proc` with its
+    workers started as this script with `spec`."""
+    from tidal.frontend.core_process import CoreProcess
+
+    monkeypatch.setattr(CoreProcess, "core_entry", (os.path.abspath(__file__), f"core:workers:{spec}"))
 
 
 def faulty_sample(sample: Callable[..., None], token_id: int) -> Callable[..., None]:
@@ -87,6 +100,16 @@ def install(spec: str, rank: int) -> None:
         return
     execute_model = Worker.execute_model
     steps = 0
+    if fault_step == "poison":
+        token_id = int(mode[0])
+
+        def poisoned_execute_model(self: Worker, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+            if any(token_id in new.prompt_token_ids for new in scheduler_output.scheduled_new_reqs):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return execute_model(self, scheduler_output)
+
+        Worker.execute_model = poisoned_execute_model  # type: ignore[method-assign]
+        return
 
     def faulty_execute_model(self: Worker, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         nonlocal steps
@@ -105,6 +128,13 @@ def main(argv: list[str]) -> None:
     from tidal.worker import worker_proc
 
     spec, args = argv[0], argv[1:]
+    if spec.startswith("core:workers:"):
+        from tidal.core import core_proc
+        from tidal.core.multiproc_executor import MultiprocExecutor
+
+        MultiprocExecutor.worker_entry = worker_entry(spec[len("core:workers:"):])
+        core_proc.main(args)  # exits
+        return
     if spec.startswith("core:sample:"):
         from tidal.core import core_proc
         from tidal.worker.model_runner import ModelRunner

@@ -26,9 +26,11 @@ from tidal.protocol import EngineDeadError, EngineGenerateError, RequestOutputKi
 try:
     from conftest import core_children, free_tcp_port
     from core_crash import use_crashing_core
+    from fault_injection import use_faulty_workers_in_spawned_cores
 except ImportError:  # tests/ made a package
     from tests.conftest import core_children, free_tcp_port  # type: ignore[no-redef]
     from tests.core_crash import use_crashing_core  # type: ignore[no-redef]
+    from tests.fault_injection import use_faulty_workers_in_spawned_cores  # type: ignore[no-redef]
 
 DELTA = RequestOutputKind.DELTA
 CRASH_TOKEN = 7  # tests/core_crash.py: a core that samples for a prompt holding it dies
@@ -106,8 +108,9 @@ def no_orphans() -> Iterator[None]:
 
 
 async def test_chaos_three_sigkills_every_stream_resumes_exactly(tiny_model_dir: str, no_orphans: None) -> None:
-    # Room for all 77 sequences at once: a request still queued (no progress) through two
-    # crashes in a row would be given up as a suspect (OutputProcessor.resume_after_crash).
+    # Room for all 77 sequences at once: a SIGKILLed core names no failing step, and then a
+    # request still queued (no progress) through two crashes in a row would be given up as a
+    # suspect (OutputProcessor.resume_after_crash).
     engine = AsyncLLM(model=tiny_model_dir, max_num_seqs=128, enable_prefix_caching=False)
     try:
         params = mixed_params(64, max_tokens=40)
@@ -169,6 +172,15 @@ def test_llm_generate_resumes_after_sigkill(tiny_model_dir: str, no_orphans: Non
         llm.shutdown()
 
 
+async def _crasher(streams: Streams) -> None:
+    """Once the other streams are running (made progress), a request holding CRASH_TOKEN, which
+    must end given up alone."""
+    while len(streams.arrivals) < 16:
+        await asyncio.sleep(0.002)
+    with pytest.raises(EngineGenerateError, match="repeated engine failures"):
+        await streams.one("crasher", {"prompt_token_ids": [11, CRASH_TOKEN, 12]}, SamplingParams(max_tokens=8))
+
+
 async def test_request_that_crashes_the_core_fails_alone(tiny_model_dir: str, no_orphans: None,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     use_crashing_core(monkeypatch, CRASH_TOKEN)
@@ -180,15 +192,31 @@ async def test_request_that_crashes_the_core_fails_alone(tiny_model_dir: str, no
 
         streams = Streams(engine)
 
-        async def crasher() -> None:
-            while len(streams.arrivals) < 16:  # the others are running (they made progress)
-                await asyncio.sleep(0.002)
-            with pytest.raises(EngineGenerateError, match="repeated engine failures"):
-                await streams.one("crasher", {"prompt_token_ids": [11, CRASH_TOKEN, 12]},
-                                  SamplingParams(max_tokens=8))
-
-        await streams.run(params, crasher())
+        await streams.run(params, _crasher(streams))
         assert engine.engine_core.num_restarts == 2  # crashed twice, then given up alone
+        assert streams.tokens == reference.tokens
+        assert engine.get_num_unfinished_requests() == 0
+    finally:
+        engine.shutdown()
+
+
+async def test_request_that_kills_a_worker_is_quarantined_then_fails_alone(
+        tp_model_dir: str, no_orphans: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that SIGKILLs a tensor-parallel worker whenever it runs: the core names the
+    failing step's requests; they go back quarantined (each alone until its next token), the
+    culprit crashes twice more alone and is given up; every other stream is exact."""
+    use_faulty_workers_in_spawned_cores(monkeypatch, f"1:poison:{CRASH_TOKEN}")
+    engine = AsyncLLM(model=tp_model_dir, tensor_parallel_size=2, dtype="float32", device="cpu",
+                      enable_prefix_caching=False, engine_start_timeout_s=120)
+    try:
+        params = mixed_params(8, max_tokens=48)
+        reference = Streams(engine)
+        await reference.run(params)
+        streams = Streams(engine)
+
+        await asyncio.wait_for(streams.run(params, _crasher(streams)), 300)
+        # In a step with the others (all suspects), then alone twice: given up.
+        assert engine.engine_core.num_restarts == 3
         assert streams.tokens == reference.tokens
         assert engine.get_num_unfinished_requests() == 0
     finally:
