@@ -164,6 +164,21 @@ static int64_t rows_per_block(int64_t k) {
 
 #define PANEL_GROUP 4 /* panels per task: a 1-row tile runs 4 at once */
 
+/* The tile of mr rows from row i over np panels from panel p (kind dispatched to a constant). */
+static inline void tile_at(int kind, int64_t mr, int np, const float *x, int64_t xs, const void *w, int64_t panel_elems,
+                           int64_t k, float *out, int64_t os, int64_t n, const float *bias, int64_t i, int64_t p) {
+    const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+    const void *wp = (const char *)w + p * panel_elems * w_elt_size(kind);
+    const float *bp = bias ? bias + p * NR : NULL;
+    float *o = out + i * os + p * NR;
+    if (kind == W_BF16)
+        run_tile(mr, np, W_BF16, x + i * xs, xs, wp, panel_elems, k, o, os, cols, bp);
+    else if (kind == W_F16)
+        run_tile(mr, np, W_F16, x + i * xs, xs, wp, panel_elems, k, o, os, cols, bp);
+    else
+        run_tile(mr, np, W_F32, x + i * xs, xs, wp, panel_elems, k, o, os, cols, bp);
+}
+
 static void gemm(const float *x, int64_t xs, const void *w, const float *bias, float *out, int64_t os, int64_t m,
                  int64_t n, int64_t k, int kind) {
     const int64_t panels = (n + NR - 1) / NR, full_panels = n / NR;
@@ -177,24 +192,26 @@ static void gemm(const float *x, int64_t xs, const void *w, const float *bias, f
             const int64_t m0 = m * mb / mblocks, rows = m * (mb + 1) / mblocks - m0; /* equal blocks */
             const int64_t tiles = (rows + MR - 1) / MR;
             const int64_t p_end = (g + 1) * PANEL_GROUP < panels ? (g + 1) * PANEL_GROUP : panels;
-            for (int64_t t = 0, i = m0; t < tiles; ++t) {
-                const int64_t mr = rows / tiles + (t < rows % tiles);
-                for (int64_t p = g * PANEL_GROUP; p < p_end;) {
-                    /* several panels at once only when all are full (the last may be partial) */
-                    const int np = p + panels_per_tile(mr) <= full_panels ? panels_per_tile(mr) : 1;
-                    const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
-                    const void *wp = (const char *)w + p * panel_elems * w_elt_size(kind);
-                    const float *bp = bias ? bias + p * NR : NULL;
-                    float *o = out + i * os + p * NR;
-                    if (kind == W_BF16)
-                        run_tile(mr, np, W_BF16, x + i * xs, xs, wp, panel_elems, k, o, os, cols, bp);
-                    else if (kind == W_F16)
-                        run_tile(mr, np, W_F16, x + i * xs, xs, wp, panel_elems, k, o, os, cols, bp);
-                    else
-                        run_tile(mr, np, W_F32, x + i * xs, xs, wp, panel_elems, k, o, os, cols, bp);
-                    p += np;
+            if (panels_per_tile(rows / tiles) == 1) {
+                /* Tiles of 4+ rows, one panel at a time: panel outer, tiles inner, so the panel
+                 * stays in L1 / L2 while every tile of the block passes over it. */
+                for (int64_t p = g * PANEL_GROUP; p < p_end; ++p)
+                    for (int64_t t = 0, i = m0; t < tiles; ++t) {
+                        const int64_t mr = rows / tiles + (t < rows % tiles);
+                        tile_at(kind, mr, 1, x, xs, w, panel_elems, k, out, os, n, bias, i, p);
+                        i += mr;
+                    }
+            } else {
+                /* Short tiles (few rows, so few tiles) take several full panels at once. */
+                for (int64_t t = 0, i = m0; t < tiles; ++t) {
+                    const int64_t mr = rows / tiles + (t < rows % tiles);
+                    for (int64_t p = g * PANEL_GROUP; p < p_end;) {
+                        const int np = p + panels_per_tile(mr) <= full_panels ? panels_per_tile(mr) : 1;
+                        tile_at(kind, mr, np, x, xs, w, panel_elems, k, out, os, n, bias, i, p);
+                        p += np;
+                    }
+                    i += mr;
                 }
-                i += mr;
             }
         }
     }
