@@ -13,25 +13,35 @@ from tidal.protocol import envs
 GREEDY_EPS = 1e-5
 
 
-# OpenMP's default wait policy spins idle threads for a while before they sleep. A tidal core
-# or worker shares its cores with a front-end, a server, other ranks or other programs: spinning
-# threads then take the CPU from the very thread the team waits for, and a step gets several
-# times slower (the offline benchmark ran 4x slower beside a busy test run, 24-26 s against
-# 6-7 s passive). Passive threads sleep at once. Set in the environment of the processes tidal
-# owns before torch loads its OpenMP runtime; an explicit OMP_WAIT_POLICY wins.
-_COMPUTE_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# OpenMP's default (libgomp) spins an idle thread ~300,000 times (milliseconds) before it
+# sleeps. A tidal core or worker shares its cores with a front-end, a server, other ranks or
+# other programs: the spinning threads then take the CPU from the very thread the team waits
+# for, and steps get several times slower (offline benchmark beside one CPU hog: 12.8 s; with a
+# 3,000 spin 6-7.5 s; passive, sleeping at once, 7.0 s). Sleeping at once costs when the machine
+# is quiet (passive 14-18% slower in-process), since a forward's ops come microseconds apart; a
+# 3,000-spin (tens of microseconds) bridges those gaps and sleeps through the longer ones
+# (scheduling, sampling, a preempted team mate). Set in the environment of the processes tidal
+# owns before torch loads libgomp; the user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT win.
+_COMPUTE_PROCESS_ENV = {"GOMP_SPINCOUNT": "3000"}
+
+
+def _compute_process_defaults() -> dict[str, str]:
+    """_COMPUTE_PROCESS_ENV, unless the user chose an OpenMP wait behaviour (GOMP_SPINCOUNT
+    would override their OMP_WAIT_POLICY)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    return dict(_COMPUTE_PROCESS_ENV)
 
 
 def compute_process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a tidal core or worker process: os.environ over tidal's defaults
-    (_COMPUTE_PROCESS_ENV, then `extra`), so a user's own settings win."""
-    return {**_COMPUTE_PROCESS_ENV, **(extra or {}), **os.environ}
+    (_compute_process_defaults, then `extra`), so a user's own settings win."""
+    return {**_compute_process_defaults(), **(extra or {}), **os.environ}
 
 
 def prefer_compute_process_env() -> None:
     """This process is a tidal core about to load torch: take compute_process_env's defaults."""
-    for key, value in _COMPUTE_PROCESS_ENV.items():
-        os.environ.setdefault(key, value)
+    os.environ.update(_compute_process_defaults())
 
 
 def cdiv(a: int, b: int) -> int:
