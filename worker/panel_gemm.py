@@ -48,9 +48,10 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"expected a 2-D float weight, got {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
     panels = -(-n // _NR)
-    padded = torch.zeros(panels * _NR, k, dtype=dtype, device=weight.device)
-    padded[:n] = weight.detach().to(dtype)  # the one rounding, as weight.to(dtype)
-    packed = padded.view(panels, _NR, k).transpose(1, 2)  # [P, K, 16]
+    rounded = weight.detach().to(dtype)  # the one rounding, as weight.to(dtype) (no copy if equal)
+    if n % _NR:  # zero columns pad the last panel
+        rounded = torch.cat([rounded, rounded.new_zeros(panels * _NR - n, k)])
+    packed = rounded.reshape(panels, _NR, k).transpose(1, 2)  # [P, K, 16]; contiguous() copies once
     if dtype == torch.bfloat16:
         packed = packed[:, :, _BF16_SLOTS.to(weight.device)]
     return packed.contiguous()
