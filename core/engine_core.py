@@ -55,6 +55,16 @@ def external_id(internal: str, client_index: ClientIndex) -> str:
     return internal if client_index is None else internal.rpartition("\x00")[0]
 
 
+def client_of(internal: str) -> ClientIndex:
+    """The front-end an internal id names (internal_id's inverse; None: an in-process caller's
+    id, or one that does not parse)."""
+    _, sep, client_hex = internal.rpartition("\x00")
+    try:
+        return bytes.fromhex(client_hex) if sep else None
+    except ValueError:
+        return None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
                  apply_input: Callable[[], None] | None = None) -> None:
@@ -214,14 +224,8 @@ class EngineCore:
         by_client: dict[ClientIndex, list[str]] = {}
         for rid in step.num_scheduled_tokens:
             request = self.scheduler.requests.get(rid)
-            if request is not None:
-                client = request.client_index
-            else:  # ended during the step: its id names its front-end (internal_id)
-                ext, sep, client_hex = rid.rpartition("\x00")
-                try:
-                    client = bytes.fromhex(client_hex) if sep else None
-                except ValueError:
-                    client = None
+            # one that ended during the step: its id names its front-end
+            client = request.client_index if request is not None else client_of(rid)
             by_client.setdefault(client, []).append(external_id(rid, client))
         return by_client
 

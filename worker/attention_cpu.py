@@ -35,12 +35,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
     float32/fp16/bf16, non-float32 activations, non-CPU tensors, or no C compiler)."""
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        return (
+        return self._decode_kernel(q, k_cache, v_cache) is not None
+
+    @staticmethod
+    def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any | None:
+        """The paged decode kernel for these tensors, or None when it does not apply."""
+        if not (
             k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
             and is_f32_cpu(q)  # builds the kernels on first use
-            and _cache_kernel("tidal_paged_decode_attention_", k_cache, v_cache) is not None
-        )
+        ):
+            return None
+        return _cache_kernel("tidal_paged_decode_attention_", k_cache, v_cache)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                      metadata: AttentionMetadata) -> None:
@@ -65,14 +71,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:
-        if not (self.supports(q, k_cache, v_cache) and out.shape == q.shape and out.is_contiguous()):
+        kernel = self._decode_kernel(q, k_cache, v_cache)
+        if kernel is None or out.shape != q.shape or not out.is_contiguous():
             return super()._decode(q, k_cache, v_cache, metadata, scale, out)
         num_heads, head_dim = q.shape[1], q.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()  # the kernel reads each row's heads back to back
         batch = metadata.paged_decode
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        rc = _cache_kernel("tidal_paged_decode_attention_", k_cache, v_cache)(  # type: ignore[misc]
+        rc = kernel(
             ptr(q), q.stride(0), ptr(out), out.stride(0), ptr(batch.rows), min(q.shape[0], out.shape[0]),
             ptr(k_cache), ptr(v_cache), num_blocks, ptr(batch.block_tables), batch.block_tables.shape[1],
             ptr(batch.seq_lens), len(metadata.decode_seqs), num_heads, num_kv_heads, head_dim,

@@ -82,6 +82,13 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
         raise ValueError("the packed weight must be on the CPU")
     if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32 or bias.device.type != "cpu"):
         raise ValueError(f"expected a float32 CPU bias of shape [{n}], got {tuple(bias.shape)} {bias.dtype}")
+    return run_panel_gemm(x, packed, n, k, bias)
+
+
+def run_panel_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """panel_linear without its argument checks, for callers that made them once (PanelWeight
+    packed the weight itself; it checks the input's dtype): it runs per layer per step."""
     lib = cpu_kernels()
     if lib is None:  # TIDAL_CPU_KERNELS=0 after the weights were packed: the same product in torch
         return torch.nn.functional.linear(x, unpack_weight(packed, n, k).float(), bias)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.protocol import envs
+from tidal.worker.panel_gemm import pack_weight, panel_gemm_available, run_panel_gemm, unpack_weight
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,6 @@ def half_storage_enabled(dtype: torch.dtype, device: torch.device | str) -> bool
     model (worker/loader.py), so every layer agrees on the activations' dtype."""
     if torch.device(device).type != "cpu" or dtype not in _HALF_DTYPES or not envs.TIDAL_CPU_HALF_WEIGHTS:
         return False
-    from tidal.worker.panel_gemm import panel_gemm_available
-
     return panel_gemm_available(dtype)
 
 
@@ -115,8 +114,6 @@ def panel_gemm_enabled(weight: torch.Tensor) -> bool:
         return half_storage_enabled(weight.dtype, weight.device)
     if weight.dtype != torch.float32 or _cpu_gemm_choice() != "auto":
         return False
-    from tidal.worker.panel_gemm import panel_gemm_available
-
     return panel_gemm_available(torch.float32)
 
 
@@ -126,26 +123,22 @@ class PanelWeight:
     order. No row buckets: the kernel builds nothing per shape."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        from tidal.worker.panel_gemm import pack_weight
-
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
         self.packed = pack_weight(weight.detach(), weight.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from tidal.worker.panel_gemm import panel_linear
-
         n, k = self.shape
         if x.dim() != 2:  # the model runs [tokens, features]; anything else is rare
             return self.linear(x.reshape(-1, k), bias).view(*x.shape[:-1], n)
         if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
             raise TypeError(f"panel GEMMs compute in float32; got x {x.dtype}, bias "
                             f"{None if bias is None else bias.dtype}")
-        return panel_linear(x, self.packed, n, k, bias)
+        if x.shape[1] != k:
+            raise ValueError(f"expected an input of shape [M, {k}], got {tuple(x.shape)}")
+        return run_panel_gemm(x, self.packed, n, k, bias)  # the packed weight is ours: checked
 
     def to_dense(self) -> torch.Tensor:
-        from tidal.worker.panel_gemm import unpack_weight
-
         return unpack_weight(self.packed, *self.shape)
 
 
