@@ -43,7 +43,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_CPU_GEMM_BUCKETS": _flag("TIDAL_CPU_GEMM_BUCKETS", True),
     # 1: each worker logs its start-up phases at WARNING (worker/startup_timer.py; scripts/bench_startup.py).
     "TIDAL_LOG_STARTUP": _flag("TIDAL_LOG_STARTUP", False),
-    # auto (by device) | torch (the reference backend everywhere).
+    # auto (by device: cpu kernels on CPU, triton on CUDA) | torch (the reference, any device) | cpu | triton.
     "TIDAL_ATTENTION_BACKEND": lambda: os.environ.get("TIDAL_ATTENTION_BACKEND", "auto"),
     # The key `tidal serve` requires as `Authorization: Bearer KEY` (--api-key wins; vLLM's VLLM_API_KEY).
     "TIDAL_API_KEY": lambda: os.environ.get("TIDAL_API_KEY") or None,

@@ -55,6 +55,33 @@ def max_useful_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int)
     return max_num_seqs * cdiv(max_model_len, block_size) + 1
 
 
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def kv_cache_budget_from_memory(total_bytes: int, used_bytes: int, peak_activation_bytes: int,
+                                utilization: float) -> int:
+    """KV cache bytes under vLLM's `gpu_memory_utilization`: this engine may hold `utilization`
+    of the device's memory in all; what is in use already (weights, CUDA context, other
+    processes) and the activation peak of the largest step come off it. May be negative."""
+    return int(total_bytes * utilization) - used_bytes - peak_activation_bytes
+
+
+def kv_blocks_for_budget(budget_bytes: int, bytes_per_block: int, *, max_num_seqs: int, max_model_len: int,
+                         block_size: int, how: str) -> int:
+    """Blocks of `bytes_per_block` the budget holds, capped at what max_num_seqs sequences of
+    max_model_len can use. A budget that cannot hold one max_model_len sequence is a ValueError
+    with the numbers (`how` says where the budget came from, to name the knob to turn)."""
+    per_seq = cdiv(max_model_len, block_size)
+    blocks = max(0, budget_bytes) // bytes_per_block
+    if blocks < per_seq:
+        raise ValueError(
+            f"the KV cache budget ({how}) is {_gib(max(0, budget_bytes))}, {blocks} blocks of "
+            f"{bytes_per_block} bytes; one sequence of max_model_len={max_model_len} needs {per_seq} "
+            f"blocks ({_gib(per_seq * bytes_per_block)}): raise it or lower max_model_len")
+    return min(blocks, max_useful_kv_blocks(max_num_seqs, max_model_len, block_size))
+
+
 def threads_per_rank(world_size: int) -> int:
     """CPU ranks share the cores: oversubscribed OpenMP threads spin against each other (a
     matmul can get 10x slower), so each of `world_size` ranks takes an equal share."""

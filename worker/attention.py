@@ -96,11 +96,25 @@ class AttentionMetadata:
     block_size: int
     # ---- derived by build() ----
     decode_seqs: list[int] = field(default_factory=list)  # batch indices with query_len == 1
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    # Device copies of query_start_loc / seq_lens for kernels that read them on the device
+    # (int32). A builder that keeps persistent device buffers passes views of them; otherwise
+    # they are made from the lists on first use.
+    query_start_loc_device: torch.Tensor | None = None
+    seq_lens_device: torch.Tensor | None = None
+    # True once every block id a sequence reads (positions < seq_len) is known to lie inside
+    # the cache: set by a builder that checked them on the host, or by the first backend call
+    # that checked them, so a step pays for the check once, not once per layer.
+    block_tables_checked: bool = False
 
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
 
     @property
     def num_decodes(self) -> int:
@@ -114,29 +128,57 @@ class AttentionMetadata:
         seq_lens: list[int],
         block_tables: torch.Tensor,
         block_size: int,
+        query_start_loc_device: torch.Tensor | None = None,
+        seq_lens_device: torch.Tensor | None = None,
     ) -> "AttentionMetadata":
-        device = block_tables.device
         num_seqs = len(seq_lens)
         if len(query_start_loc) != num_seqs + 1:
             raise ValueError("query_start_loc must have len(seq_lens) + 1 entries")
         query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
-        meta = cls(slot_mapping, list(query_start_loc), list(seq_lens), block_tables, block_size)
-        meta.decode_seqs = [i for i in range(num_seqs) if query_lens[i] == 1]
         for i in range(num_seqs):
-            q_len = query_lens[i]
+            if seq_lens[i] < query_lens[i]:
+                raise ValueError(f"seq {i}: seq_len {seq_lens[i]} < query_len {query_lens[i]}")
+        meta = cls(slot_mapping, list(query_start_loc), list(seq_lens), block_tables, block_size,
+                   query_start_loc_device=query_start_loc_device, seq_lens_device=seq_lens_device)
+        meta.decode_seqs = [i for i in range(num_seqs) if query_lens[i] == 1]
+        meta.max_query_len = max(query_lens, default=0)
+        meta.max_seq_len = max(seq_lens, default=0)
+        return meta
+
+    @functools.cached_property
+    def prefills(self) -> list[PrefillSpan]:
+        """The sequences with query_len > 1, with what a per-sequence SDPA needs (cache slots
+        and mask when earlier context is cached). Built on first use: kernels that read the
+        paged cache directly never need it."""
+        device = self.block_tables.device
+        bs = self.block_size
+        spans: list[PrefillSpan] = []
+        for i in range(self.num_seqs):
+            start, end, seq_len = self.query_start_loc[i], self.query_start_loc[i + 1], self.seq_lens[i]
+            q_len = end - start
             if q_len <= 1:
                 continue
-            start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
             span = PrefillSpan(start, end, seq_len)
             if seq_len > q_len:  # earlier context lives in the cache
                 pos = torch.arange(seq_len, device=device)
-                span.kv_slots = block_tables[i, pos // block_size] * block_size + pos % block_size
+                span.kv_slots = self.block_tables[i, pos // bs] * bs + pos % bs
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 span.mask = pos[None, :] <= q_pos[:, None]
-            elif seq_len < q_len:
-                raise ValueError(f"seq {i}: seq_len {seq_len} < query_len {q_len}")
-            meta.prefills.append(span)
-        return meta
+            spans.append(span)
+        return spans
+
+    def device_query_start_loc(self) -> torch.Tensor:
+        """[B+1] int32 on the cache's device."""
+        if self.query_start_loc_device is None:
+            self.query_start_loc_device = torch.tensor(self.query_start_loc, dtype=torch.int32,
+                                                       device=self.block_tables.device)
+        return self.query_start_loc_device
+
+    def device_seq_lens(self) -> torch.Tensor:
+        """[B] int32 on the cache's device."""
+        if self.seq_lens_device is None:
+            self.seq_lens_device = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.block_tables.device)
+        return self.seq_lens_device
 
     # Per-backend views, built on first use and shared by every layer of the step (a backend
     # that does not need one never pays for it).
@@ -340,14 +382,31 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     return torch.from_numpy(buf[start: start + nbytes]).view(dtype).view(shape)
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
 def attention_backend_for(device: torch.device) -> AttentionBackend:
-    """The backend for KV caches on `device`: on CPU the C-kernel backend (which runs the torch
-    path wherever its kernels do not apply), elsewhere the torch reference (CUDA gets a Triton
-    backend later). TIDAL_ATTENTION_BACKEND=torch forces the reference everywhere."""
+    """The backend for KV caches on `device`. auto: the C-kernel backend on CPU (which runs the
+    torch path wherever its kernels do not apply), Triton on CUDA (the torch reference when
+    triton is not installed). TIDAL_ATTENTION_BACKEND forces one: torch (the reference, any
+    device), cpu, or triton (on CPU tensors only under TRITON_INTERPRET=1)."""
     choice = envs.TIDAL_ATTENTION_BACKEND
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"TIDAL_ATTENTION_BACKEND={choice!r}: expected 'auto' or 'torch'")
-    return _shared_backend("cpu" if choice == "auto" and device.type == "cpu" else "torch")
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"TIDAL_ATTENTION_BACKEND={choice!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if choice == "auto":
+        if device.type == "cpu":
+            choice = "cpu"
+        else:
+            choice = "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if choice == "cpu" and device.type != "cpu":
+        raise ValueError(f"TIDAL_ATTENTION_BACKEND=cpu needs the KV cache on the CPU, not {device.type}")
+    return _shared_backend(choice)
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -355,6 +414,10 @@ def _shared_backend(kind: str) -> AttentionBackend:
     """Backends hold no state, so one instance of each serves every layer."""
     if kind == "torch":
         return TorchAttentionBackend()
+    if kind == "triton":
+        from tidal.worker.attention_triton import TritonAttentionBackend  # imports this module
+
+        return TritonAttentionBackend()
     from tidal.worker.attention_cpu import CpuAttentionBackend  # imports this module
 
     return CpuAttentionBackend()

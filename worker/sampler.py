@@ -92,6 +92,11 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # max k over rows (-1 counted as V); None when no row wants logprobs
     token_rules: TokenRules | None = None  # allowed_token_ids, bad words, logit_bias (None: no row uses them)
     logprobs_mode: str = "raw_logprobs"  # the engine's: raw_/processed_ logprobs/logits
+    # Known on the host when the metadata is built, so the sampler never reads them back from
+    # the device (a host sync per step on a GPU): the largest top_k (0 = none), and the indices
+    # of the random rows when greedy and random rows are mixed (None otherwise).
+    max_top_k: int = 0
+    random_rows: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
@@ -128,6 +133,8 @@ class SamplingMetadata:
         min_tokens = {i: stops[i] for i, p in enumerate(params)
                       if len(output_token_ids[i]) < p.min_tokens and stops[i]}
         ks = [num_logprobs(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
+        mixed = any(greedy) and not all(greedy)
+        random_rows = [i for i, g in enumerate(greedy) if not g] if mixed else None
         return SamplingMetadata(
             temperature=torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
                                      dtype=torch.float32, device=device),
@@ -138,7 +145,9 @@ class SamplingMetadata:
             presence_penalties=pres, frequency_penalties=freq, repetition_penalties=rep,
             prompt_token_ids=prompts, output_token_ids=output_token_ids, min_tokens=min_tokens,
             max_num_logprobs=max(ks) if ks else None,
-            token_rules=TokenRules.build(params, output_token_ids, device), logprobs_mode=logprobs_mode)
+            token_rules=TokenRules.build(params, output_token_ids, device), logprobs_mode=logprobs_mode,
+            max_top_k=0 if top_k is None else max(0 if g else p.top_k for p, g in zip(params, greedy)),
+            random_rows=None if random_rows is None else torch.tensor(random_rows, dtype=torch.long, device=device))
 
 
 @dataclass
@@ -307,7 +316,7 @@ class Sampler(nn.Module):
         apply_penalties(x, md, lambda: self._buf("count", B, V + 1, torch.int32, x.device))
 
     def _weights_and_cutoffs(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                             top_p: torch.Tensor | None, min_p: torch.Tensor | None
+                             top_p: torch.Tensor | None, min_p: torch.Tensor | None, max_top_k: int = 0
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Turns x [R, V] (random rows, penalties applied) IN PLACE into unnormalised sampling
         weights (temperature, then min-p, top-k, top-p, each on what the previous kept), and
@@ -322,7 +331,9 @@ class Sampler(nn.Module):
             omega = torch.maximum(omega, min_p.to(x.dtype))
         if top_k is not None or top_p is not None:
             k = top_k.clamp(max=V) if top_k is not None else None
-            width = max(1 if k is None else int(k.max()), 1 if top_p is None else self.top_p_candidates)
+            # max_top_k: the host's; reading k.max() back is a device sync (metadata built by hand)
+            k_max = (max_top_k or int(k.max())) if k is not None else 1
+            width = max(min(k_max, V), 1 if top_p is None else self.top_p_candidates)
             vals = _topk(w, min(width, V))[0]  # sorted descending
             has_k = k > 0 if k is not None else torch.zeros(R, dtype=torch.bool, device=x.device)
             if k is not None:  # keep ties with the k-th value, like vLLM
@@ -386,7 +397,9 @@ class Sampler(nn.Module):
         if md.all_greedy:  # no weights, no hashing
             return argmax(x), None
         greedy = None if md.all_random else argmax(x)
-        rows = None if md.all_random else (md.temperature >= GREEDY_EPS).nonzero().squeeze(1)
+        rows = None if md.all_random else md.random_rows
+        if rows is None and not md.all_random:
+            rows = (md.temperature >= GREEDY_EPS).nonzero().squeeze(1)
         w, omega = self._weights_of_rows(x, md, rows)  # greedy rows skip the random path
         keys = row_keys(_take(md.seeds, rows), _take(md.positions, rows))  # type: ignore[arg-type]
         tokens = self.race(w, keys)
@@ -398,7 +411,7 @@ class Sampler(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor]:  # of a copy of `rows`, or of x in place (None)
         t, k, p, m = (_take(v, rows) for v in (md.temperature, md.top_k, md.top_p, md.min_p))
         xr = x if rows is None else x.index_select(0, rows)
-        return self._weights_and_cutoffs(xr, t, k, p, m)  # type: ignore[arg-type]
+        return self._weights_and_cutoffs(xr, t, k, p, m, md.max_top_k)  # type: ignore[arg-type]
 
     def race(self, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Two-level exponential race over nonnegative weights w [R, V] -> token ids [R]."""

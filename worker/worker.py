@@ -12,7 +12,7 @@ import torch
 
 from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
-from tidal.protocol.utils import max_useful_kv_blocks, threads_per_rank
+from tidal.protocol.utils import kv_blocks_for_budget, kv_cache_budget_from_memory, threads_per_rank
 from tidal.worker.hf_config import load_hf_config
 from tidal.worker.layers.gemm import warm_up_gemm_buckets
 from tidal.worker.startup_timer import StartupTimer
@@ -100,26 +100,60 @@ class Worker:
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = self.kv_bytes_per_block()
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+            blocks = cfg.num_kv_blocks
         else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        blocks = min(budget // per_block, max_useful_kv_blocks(cfg.max_num_seqs, self.max_model_len, cfg.block_size))
-        if blocks < 1:
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes: "
-                "raise kv_cache_memory_bytes / gpu_memory_utilization")
+            if cfg.kv_cache_memory_bytes is not None:
+                budget, how = cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+            elif self.device.type == "cuda":
+                budget = self._cuda_kv_budget()
+                how = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+            else:
+                budget, how = DEFAULT_CPU_KV_CACHE_BYTES, "the CPU default; set kv_cache_memory_bytes"
+            blocks = kv_blocks_for_budget(budget, self.kv_bytes_per_block(), max_num_seqs=cfg.max_num_seqs,
+                                          max_model_len=self.max_model_len, block_size=cfg.block_size, how=how)
         if self.world_size > 1:
             # Every rank must agree on the pool; take the smallest.
             from tidal.worker.parallel_state import all_reduce_min
 
             blocks = all_reduce_min(blocks)
+        tokens = blocks * cfg.block_size
+        logger.info("KV cache: %d blocks, %d tokens, %s; max concurrency at max_model_len=%d: %.2fx",
+                    blocks, tokens, self.kv_cache_dtype, self.max_model_len, tokens / self.max_model_len)
         return int(blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization's share of the device, less what is in use now (weights,
+        context, other processes) and the activation peak of the largest step, measured."""
+        peak = self._profile_peak_activation()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_cache_budget_from_memory(total, total - free, peak, self.config.gpu_memory_utilization)
+        logger.info("memory: %.2f GiB of %.2f GiB in use, activation peak %.2f GiB, KV budget %.2f GiB",
+                    (total - free) / 2**30, total / 2**30, peak / 2**30, budget / 2**30)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_peak_activation(self) -> int:
+        """Bytes the largest step allocates beyond what is held now: one forward over the most
+        tokens a step can schedule (no KV cache bound yet, so attention runs as one causal
+        sequence), the LM head over max_num_seqs rows, and a float32 softmax as the sampler's."""
+        cfg, dev = self.config, self.device
+        tokens = cfg.max_num_batched_tokens
+        if not cfg.enable_chunked_prefill:
+            tokens = max(tokens, self.max_model_len)  # as Scheduler.from_config
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+        positions = torch.arange(tokens, device=dev) % self.max_model_len
+        hidden = self.model(ids, positions)
+        logits = self.model.compute_logits(hidden[: min(tokens, cfg.max_num_seqs)]).float()
+        torch.softmax(logits, dim=-1)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del ids, positions, hidden, logits
+        return int(peak)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)
