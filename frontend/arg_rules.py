@@ -13,6 +13,8 @@ import logging
 from dataclasses import MISSING, Field, fields
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+from tidal.protocol.utils import cuda_graph_capture_sizes
+
 if TYPE_CHECKING:
     from tidal.frontend.engine_args import EngineArgs
 
@@ -54,7 +56,6 @@ _LORA = "LoRA adapters"
 _DP = "data parallelism (run one engine per device group instead)"
 _MOE = "tidal's models have no experts (MoE), so expert-parallel settings have nothing to act on"
 _MAMBA = "tidal's models have no Mamba layers"
-_GRAPHS = "tidal captures no CUDA graphs (and needs no torch.compile), so there is nothing to size"
 _NO_HUB_LOAD = "tidal loads local checkpoints and the huggingface_hub cache itself"
 _SCHED_TUNING = "tidal's scheduler has no separate partial-prefill limits; chunked prefill follows the token budget"
 
@@ -85,9 +86,9 @@ RULES: dict[str, Rule] = {
                                   feature="an fp8 KV cache"),
     "seed": Implemented("seed"),
     "max_model_len": Implemented("max_model_len"),
-    "cuda_graph_sizes": NoOp(_GRAPHS),
-    "cudagraph_capture_sizes": NoOp(_GRAPHS),
-    "max_cudagraph_capture_size": NoOp(_GRAPHS),
+    "cuda_graph_sizes": Implemented(None),  # these three: graph_sizes below
+    "cudagraph_capture_sizes": Implemented(None),
+    "max_cudagraph_capture_size": Implemented(None),
     # ---- parallelism
     "distributed_executor_backend": Refused(
         "the ray and external_launcher executors", ok=_one_of(None, "mp", "uni"),
@@ -312,4 +313,27 @@ def config_kwargs(args: "EngineArgs") -> dict[str, Any]:
             raise ValueError(f"num_kv_blocks={args.num_kv_blocks} and num_gpu_blocks_override="
                              f"{args.num_gpu_blocks_override} disagree; pass one of them")
         out["num_kv_blocks"] = args.num_kv_blocks
+    sizes = graph_sizes(args)
+    if sizes is not None:
+        out["cuda_graph_sizes"] = sizes
     return out
+
+
+def graph_sizes(args: "EngineArgs") -> list[int] | None:
+    """The CUDA graph sizes vLLM's three args ask for (None: the default grid). cuda_graph_sizes
+    with one value N means vLLM's pattern 1, 2, 4, 8, 16, ..., N; with several, those sizes,
+    as cudagraph_capture_sizes; max_cudagraph_capture_size caps whichever applies."""
+    legacy = args.cuda_graph_sizes
+    if legacy is not None and len(legacy) == 1:
+        legacy = [s for s in [1, 2, 4, *range(8, legacy[0] + 1, 8)] if s <= legacy[0]]
+    explicit = args.cudagraph_capture_sizes
+    if explicit is not None and legacy is not None and sorted(set(explicit)) != sorted(set(legacy)):
+        raise ValueError(f"cuda_graph_sizes={args.cuda_graph_sizes} and cudagraph_capture_sizes="
+                         f"{explicit} disagree; pass one of them")
+    sizes = explicit if explicit is not None else legacy
+    cap = args.max_cudagraph_capture_size
+    if cap is not None:
+        if cap < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cap}")
+        sizes = [s for s in (sizes if sizes is not None else cuda_graph_capture_sizes(cap)) if s <= cap]
+    return None if sizes is None else sorted(set(sizes))

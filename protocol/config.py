@@ -67,6 +67,10 @@ class EngineConfig(VllmConfigAttrs):
     revision: str | None = None  # model revision on the hub (local directories ignore it)
     tokenizer_revision: str | None = None
     enforce_eager: bool = False  # no CUDA graphs (the CPU path never captures any)
+    # Decode batch sizes to capture CUDA graphs for (None: vLLM's grid up to max_num_seqs);
+    # the front-end resolves vLLM's cuda_graph_sizes / cudagraph_capture_sizes /
+    # max_cudagraph_capture_size into this list.
+    cuda_graph_sizes: list[int] | None = None
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
     scheduling_policy: str = "fcfs"  # fcfs | priority
     # auto: default sampling params from the model's generation_config.json (vLLM); vllm: none
@@ -98,6 +102,8 @@ class EngineConfig(VllmConfigAttrs):
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if self.load_format not in ("auto", "safetensors", "dummy"):

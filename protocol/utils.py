@@ -82,6 +82,15 @@ def kv_blocks_for_budget(budget_bytes: int, bytes_per_block: int, *, max_num_seq
     return min(blocks, max_useful_kv_blocks(max_num_seqs, max_model_len, block_size))
 
 
+def cuda_graph_capture_sizes(cap: int) -> list[int]:
+    """vLLM's CUDA graph batch sizes up to `cap`, ascending: 1, 2, 4, then steps of 8 up to
+    256, then of 16; `cap` itself included, so every batch up to it has a graph to replay."""
+    if cap < 1:
+        return []
+    grid = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, cap + 1, 16))
+    return [s for s in grid if s < cap] + [cap]
+
+
 def threads_per_rank(world_size: int) -> int:
     """CPU ranks share the cores: oversubscribed OpenMP threads spin against each other (a
     matmul can get 10x slower), so each of `world_size` ranks takes an equal share."""

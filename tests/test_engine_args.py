@@ -64,7 +64,7 @@ def test_late_defaults_resolve_as_vllm() -> None:
     ("compilation_config", {"level": 3}), ("compilation_config", 3), ("runner", "generate"),
     ("swap_space", 8), ("disable_custom_all_reduce", True), ("async_scheduling", True),
     ("enable_sleep_mode", True), ("max_parallel_loading_workers", 2), ("use_tqdm_on_load", False),
-    ("optimization_level", 0), ("cudagraph_capture_sizes", [1, 2]), ("distributed_executor_backend", "mp"),
+    ("optimization_level", 0), ("distributed_executor_backend", "mp"),
     ("hf_token", "hf_x"), ("download_dir", "/tmp/d"), ("structured_outputs_config", {"backend": "guidance"}),
 ])
 def test_noop_args_warn_once(name: str, value: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -73,6 +73,29 @@ def test_noop_args_warn_once(name: str, value: Any, caplog: pytest.LogCaptureFix
     named = [r for r in caplog.records if name in r.getMessage()]
     assert len(named) == 1 and "no effect in tidal" in named[0].getMessage()
     assert cfg == EngineArgs(model="/m").create_engine_config()  # and nothing changed
+
+
+@pytest.mark.parametrize("kwargs, want", [
+    ({}, None),
+    ({"cudagraph_capture_sizes": [8, 1, 2]}, [1, 2, 8]),
+    ({"cuda_graph_sizes": [4, 16]}, [4, 16]),
+    ({"cuda_graph_sizes": [24]}, [1, 2, 4, 8, 16, 24]),  # one value: vLLM's pattern up to it
+    ({"cuda_graph_sizes": [3]}, [1, 2]),
+    ({"max_cudagraph_capture_size": 20}, [1, 2, 4, 8, 16, 20]),
+    ({"cudagraph_capture_sizes": [1, 8, 64], "max_cudagraph_capture_size": 32}, [1, 8]),
+    ({"cuda_graph_sizes": [8], "cudagraph_capture_sizes": [1, 2, 4, 8]}, [1, 2, 4, 8]),  # agree
+])
+def test_cuda_graph_sizes_resolve(kwargs: dict[str, Any], want: list[int] | None) -> None:
+    assert EngineArgs(model="/m", **kwargs).create_engine_config().cuda_graph_sizes == want
+
+
+def test_cuda_graph_sizes_refused() -> None:
+    with pytest.raises(ValueError, match="disagree"):
+        EngineArgs(model="/m", cuda_graph_sizes=[16], cudagraph_capture_sizes=[1, 2]).create_engine_config()
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size must be >= 1"):
+        EngineArgs(model="/m", max_cudagraph_capture_size=0).create_engine_config()
+    with pytest.raises(ValueError, match="cuda_graph_sizes must be batch sizes >= 1"):
+        EngineArgs(model="/m", cudagraph_capture_sizes=[0, 4]).create_engine_config()
 
 
 def test_defaults_and_their_none_forms_are_silent(caplog: pytest.LogCaptureFixture) -> None:

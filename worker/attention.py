@@ -210,29 +210,10 @@ class AttentionMetadata:
         return groups
 
     @functools.cached_property
-    def paged_decode(self) -> "PagedDecodeBatch":
+    def paged_decode(self) -> "PagedDecodeBatch":  # noqa: F821 - the C-kernel backend's view
+        from tidal.worker.attention_cpu import PagedDecodeBatch
+
         return PagedDecodeBatch.build(self)
-
-
-@dataclass
-class PagedDecodeBatch:
-    """The decodes as a kernel reading the paged cache directly wants them (contiguous int64)."""
-
-    rows: torch.Tensor  # [n] token index of each decode in the flat batch
-    seq_lens: torch.Tensor  # [n] context length including the token being decoded
-    block_tables: torch.Tensor  # [n, max_blocks]
-
-    @classmethod
-    def build(cls, meta: AttentionMetadata) -> "PagedDecodeBatch":
-        seqs = meta.decode_seqs
-        device = meta.block_tables.device
-        rows = torch.tensor([meta.query_start_loc[i] for i in seqs], dtype=torch.long, device=device)
-        lens = torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.long, device=device)
-        if len(seqs) == meta.block_tables.shape[0]:
-            tables = meta.block_tables
-        else:
-            tables = meta.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=device))
-        return cls(rows, lens, tables.to(torch.long).contiguous())
 
 
 _forward_context: AttentionMetadata | None = None

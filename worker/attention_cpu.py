@@ -9,6 +9,7 @@ csrc/paged_attention.c walks the block tables instead (`python scripts/bench_cpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +20,27 @@ from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
 # Cache dtype -> suffix of the kernels reading / writing it. K/V and queries are float32 in
 # every case: a half cache holds float32 activations rounded to nearest even on write.
 _CACHE_KERNEL_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class PagedDecodeBatch:
+    """The decodes as a kernel reading the paged cache directly wants them (contiguous int64)."""
+
+    rows: torch.Tensor  # [n] token index of each decode in the flat batch
+    seq_lens: torch.Tensor  # [n] context length including the token being decoded
+    block_tables: torch.Tensor  # [n, max_blocks]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "PagedDecodeBatch":
+        seqs = meta.decode_seqs
+        device = meta.block_tables.device
+        rows = torch.tensor([meta.query_start_loc[i] for i in seqs], dtype=torch.long, device=device)
+        lens = torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.long, device=device)
+        if len(seqs) == meta.block_tables.shape[0]:
+            tables = meta.block_tables
+        else:
+            tables = meta.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=device))
+        return cls(rows, lens, tables.to(torch.long).contiguous())
 
 
 def _cache_kernel(prefix: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any | None:

@@ -4,6 +4,12 @@ It keeps per-request state across steps (token ids, block ids) so the core only 
 The tokens a request samples come back to the runner through the next SchedulerOutput (as
 `new_token_ids`), never from its own sampler: every tensor-parallel rank then holds the same
 state whether or not it sampled.
+
+Step inputs live in persistent buffers (worker/input_batch.py): each request owns a block-table
+row while it is in the runner's state, and a step fills buffer prefixes (no per-step tensor
+allocation; on CUDA pinned staging and non-blocking copies, so the only host sync of a step is
+reading the sampled ids). On CUDA, decode-only steps replay captured graphs
+(worker/cuda_graphs.py, `capture_cuda_graphs`); everything else runs eagerly.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.protocol.utils import summarize_exception
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context, zeroed_kv_tensor
+from tidal.worker.cuda_graphs import CudaGraphRunner, backend_is_graph_safe, capture_sizes
+from tidal.worker.input_batch import InputBatch
 from tidal.worker.logits_processors import apply_token_bitmask, needs_output_history
 from tidal.worker.sampler import Sampler, SamplingMetadata, argmax, compute_prompt_logprobs
 
@@ -47,6 +55,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
+    row: int = -1  # its row of the InputBatch's block table
 
 
 @dataclass
@@ -54,19 +63,33 @@ class _Batch:
     req_ids: list[str]
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | None  # None when a CUDA graph replays the step
     sample_rows: list[int]  # batch indices of requests that sample this step
-    logits_indices: list[int]  # flat token index of each row that goes through the LM head
+    # Flat token rows that go through the LM head (sampling rows, then prompt-logprob rows),
+    # on the device; None when that is every token in order (a decode step where all sample).
+    logits_index: torch.Tensor | None
     prompt_lp: list[tuple[str, int, int, int]]  # (req_id, first logits row, rows, first target pos)
     # Structured outputs: req_id -> its row of grammar_bitmask (SchedulerOutput's), for the
     # constrained requests that sample this step; empty (and None) when there are none.
     grammar_rows: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+    graph_size: int | None = None  # the captured CUDA graph this step replays (padded size)
+    num_tokens: int = 0
+
+
+# Defaults of the sizes the persistent buffers are allocated for, when the constructor is not
+# told (buffers grow past them if a step needs it, so these only matter for speed).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, vocab_size: int, device: torch.device,
-                 is_driver: bool = True, logprobs_mode: str = "raw_logprobs") -> None:
+                 is_driver: bool = True, logprobs_mode: str = "raw_logprobs",
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         self.model = model
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -75,6 +98,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.logprobs_mode = logprobs_mode  # EngineConfig.logprobs_mode: what sample logprobs report
         self.requests: dict[str, CachedRequestState] = {}
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, block_size=block_size, device=device)
+        self.cuda_graphs: CudaGraphRunner | None = None
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -82,69 +111,128 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = zeroed_kv_tensor(shape, dtype, self.device)
             layer.v_cache = zeroed_kv_tensor(shape, dtype, self.device)
+        self.input_batch.num_blocks = num_blocks  # block ids are checked against it from now on
+
+    def capture_cuda_graphs(self, sizes: list[int] | None = None) -> None:
+        """Capture decode graphs (worker/cuda_graphs.py) after the KV cache is bound; `sizes`
+        overrides vLLM's size grid. A no-op (logged) off CUDA, under tensor parallelism, or
+        when the attention backend cannot be captured."""
+        if self.device.type != "cuda":
+            logger.info("CUDA graphs: not captured (device %s)", self.device)
+            return
+        if self.input_batch.num_blocks is None:
+            raise RuntimeError("capture_cuda_graphs needs the KV cache: call bind_kv_cache first")
+        safe, backend = backend_is_graph_safe(self.device)
+        if not safe:
+            logger.info("CUDA graphs: not captured (attention backend %s is not graph-safe); "
+                        "decodes run eagerly", backend)
+            return
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            logger.info("CUDA graphs: not captured under tensor parallelism (collectives are not "
+                        "captured yet); decodes run eagerly")
+            return
+        ib = self.input_batch
+        graph_sizes = capture_sizes(ib.max_num_seqs, sizes, ib.max_num_tokens)
+        if not graph_sizes:
+            logger.info("CUDA graphs: no size to capture")
+            return
+        runner = CudaGraphRunner(self.model, ib, graph_sizes, self.max_model_len)
+        try:
+            runner.capture()
+        except Exception as e:  # e.g. an op that syncs: the engine still serves, eagerly
+            logger.error("CUDA graph capture failed, decodes run eagerly (enforce_eager=True "
+                         "silences this): %s", summarize_exception(e))
+            runner.graphs.clear()
+            torch.cuda.synchronize(self.device)
+            return
+        self.cuda_graphs = runner
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
         reqs = self.requests
-        for rid in so.finished_req_ids:
-            reqs.pop(rid, None)
-        for new in so.scheduled_new_reqs:
+        ib = self.input_batch
+        for rid in so.finished_req_ids:  # finished, aborted or preempted: row freed
+            if reqs.pop(rid, None) is not None:
+                ib.remove_request(rid)
+        for new in so.scheduled_new_reqs:  # new, or resumed after a preemption: a new row
+            row = ib.add_request(new.req_id, new.block_ids)
             reqs[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                 len(new.prompt_token_ids), new.sampling_params, list(new.block_ids),
-                new.num_computed_tokens, new.eos_token_id)
+                new.num_computed_tokens, new.eos_token_id, row)
         for c in so.scheduled_cached_reqs:
             st = reqs[c.req_id]
             st.token_ids.extend(c.new_token_ids)
-            st.block_ids.extend(c.new_block_ids)
+            if c.new_block_ids:
+                ib.append_blocks(st.row, c.new_block_ids)
+                st.block_ids.extend(c.new_block_ids)
             st.num_computed_tokens = c.num_computed_tokens
 
     def _prepare(self, so: SchedulerOutput) -> _Batch:
-        bs = self.block_size
         req_ids = list(so.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
+        num_scheduled = list(so.num_scheduled_tokens.values())
+        reqs = self.requests
+        bs = self.block_size
+        rows: list[int] = []
+        starts: list[int] = []
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
+        decode_slots: list[int] = []  # used when every sequence decodes (one token each)
         sample_rows: list[int] = []
-        logits_indices: list[int] = []
-        prompt_lp: list[tuple[str, int, int, int]] = []
-        max_blocks = max(len(st.block_ids) for st in states)
-        block_table = np.zeros((len(states), max_blocks), dtype=np.int64)
-        for i, st in enumerate(states):
-            n = so.num_scheduled_tokens[st.req_id]
+        prompt_lp_reqs: list[int] = []
+        for i, rid in enumerate(req_ids):
+            st = reqs[rid]
+            n = num_scheduled[i]
             start = st.num_computed_tokens
             end = start + n
-            tokens.extend(st.token_ids[start:end])
-            block_table[i, : len(st.block_ids)] = st.block_ids
+            rows.append(st.row)
+            starts.append(start)
+            token_ids = st.token_ids
             if n == 1:  # a decode: plain ints, no per-row numpy
-                positions.append(start)
-                slots.append(st.block_ids[start // bs] * bs + start % bs)
+                tokens.append(token_ids[start])
+                decode_slots.append(st.block_ids[start // bs] * bs + start % bs)
             else:
-                pos = np.arange(start, end, dtype=np.int64)
-                positions.extend(pos.tolist())
-                slots.extend((block_table[i, pos // bs] * bs + pos % bs).tolist())
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
+                tokens.extend(token_ids[start:end])
             if st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
-                # Hidden state at position p scores prompt token p+1.
-                rows = min(end, st.num_prompt_tokens - 1) - start
-                prompt_lp.append((st.req_id, qsl[i], rows, start + 1))
-            if end >= len(st.token_ids):
+                prompt_lp_reqs.append(i)
+            if end >= len(token_ids):
                 sample_rows.append(i)
-                logits_indices.append(qsl[-1] - 1)
-        dev = self.device
-        metadata = AttentionMetadata.build(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=qsl, seq_lens=seq_lens,
-            block_tables=torch.from_numpy(block_table).to(dev), block_size=bs)
+        num_tokens = len(tokens)
+        num_seqs = len(req_ids)
+        graph_size = None
+        if num_tokens == num_seqs and self.cuda_graphs is not None:
+            graph_size = self.cuda_graphs.padded_size(num_seqs)
+        ib = self.input_batch
+        step = ib.prepare(rows, starts, num_scheduled, tokens, pad_to=graph_size,
+                          decode_slots=decode_slots if num_tokens == num_seqs else None)
+        qsl = step.query_start_loc_list
+        prompt_lp: list[tuple[str, int, int, int]] = []
+        for i in prompt_lp_reqs:
+            st = reqs[req_ids[i]]
+            start = starts[i]
+            # Hidden state at position p scores prompt token p+1.
+            rows_lp = min(start + num_scheduled[i], st.num_prompt_tokens - 1) - start
+            prompt_lp.append((st.req_id, qsl[i], rows_lp, start + 1))
+        logits_index = None
+        if prompt_lp or len(sample_rows) != num_tokens:
+            # (len(sample_rows) == num_tokens means every token is the last of its sequence
+            # and samples: the LM head takes the hidden states as they are.)
+            index = np.asarray(qsl[1:], dtype=np.int64)[sample_rows] - 1
+            if prompt_lp:
+                index = np.concatenate([index] + [np.arange(first, first + n, dtype=np.int64)
+                                                  for _, first, n, _ in prompt_lp])
+            logits_index = ib.upload_logits_index(index)
+        metadata = None
+        if graph_size is None:
+            metadata = AttentionMetadata.build(
+                slot_mapping=step.slot_mapping, query_start_loc=qsl, seq_lens=step.seq_lens_list,
+                block_tables=step.block_table, block_size=self.block_size,
+                query_start_loc_device=step.query_start_loc, seq_lens_device=step.seq_lens)
+            metadata.block_tables_checked = True
         return _Batch(
-            req_ids, torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev), metadata,
-            sample_rows, logits_indices, prompt_lp,
-            {rid: i for i, rid in enumerate(so.structured_output_request_ids)}, so.grammar_bitmask)
+            req_ids, step.input_ids, step.positions, metadata, sample_rows, logits_index, prompt_lp,
+            {rid: i for i, rid in enumerate(so.structured_output_request_ids)}, so.grammar_bitmask,
+            graph_size, num_tokens)
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -154,16 +242,19 @@ class ModelRunner:
             return ModelRunnerOutput() if self.is_driver else None
         batch = self._prepare(so)
         t0 = time.perf_counter()
-        with set_forward_context(batch.metadata):
-            hidden = self.model(batch.input_ids, batch.positions)
+        if batch.graph_size is not None:
+            assert self.cuda_graphs is not None
+            hidden = self.cuda_graphs.replay(batch.graph_size, batch.num_tokens)
+        else:
+            with set_forward_context(batch.metadata):
+                hidden = self.model(batch.input_ids, batch.positions)
         # Only rows that are sampled or scored go through the LM head.
-        lp_rows = [torch.arange(first, first + rows) for _, first, rows, _ in batch.prompt_lp]
-        index = torch.tensor(batch.logits_indices, dtype=torch.long)
-        if lp_rows:
-            index = torch.cat([index, *lp_rows])
         logits = None
-        if len(index):
-            logits = self.model.compute_logits(hidden[index.to(hidden.device)])
+        if batch.logits_index is None:
+            if batch.num_tokens:
+                logits = self.model.compute_logits(hidden)
+        elif len(batch.logits_index):
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_index))
         forward_time = time.perf_counter() - t0
         if not self.is_driver:
             return None

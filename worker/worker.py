@@ -81,9 +81,14 @@ class Worker:
         num_blocks = self._num_kv_blocks()
         self.model_runner = ModelRunner(self.model, block_size=cfg.block_size,
                                         vocab_size=hf_config.vocab_size, device=self.device,
-                                        is_driver=self.rank == 0, logprobs_mode=cfg.logprobs_mode)
+                                        is_driver=self.rank == 0, logprobs_mode=cfg.logprobs_mode,
+                                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self._max_step_tokens(),
+                                        max_model_len=self.max_model_len)
         self.model_runner.bind_kv_cache(num_blocks, self.kv_cache_dtype)
         timer.mark("KV allocation")
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self.model_runner.capture_cuda_graphs(cfg.cuda_graph_sizes)
+            timer.mark("CUDA graphs")
         if self.device.type == "cpu":
             warm_up_gemm_buckets(self.model, cfg.max_num_seqs)
             timer.mark("warm-up")
@@ -132,15 +137,21 @@ class Worker:
                     (total - free) / 2**30, total / 2**30, peak / 2**30, budget / 2**30)
         return budget
 
+    def _max_step_tokens(self) -> int:
+        """The most tokens one step can schedule (as Scheduler.from_config: without chunked
+        prefill a whole max_model_len prompt must fit one step)."""
+        cfg = self.config
+        if cfg.enable_chunked_prefill:
+            return cfg.max_num_batched_tokens
+        return max(cfg.max_num_batched_tokens, self.max_model_len)
+
     @torch.inference_mode()
     def _profile_peak_activation(self) -> int:
         """Bytes the largest step allocates beyond what is held now: one forward over the most
         tokens a step can schedule (no KV cache bound yet, so attention runs as one causal
         sequence), the LM head over max_num_seqs rows, and a float32 softmax as the sampler's."""
         cfg, dev = self.config, self.device
-        tokens = cfg.max_num_batched_tokens
-        if not cfg.enable_chunked_prefill:
-            tokens = max(tokens, self.max_model_len)  # as Scheduler.from_config
+        tokens = self._max_step_tokens()
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
