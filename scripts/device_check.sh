@@ -3,12 +3,12 @@
 #   setup         install the carried wheels (.whl/, made by scripts/fetch_device_wheels.sh) into
 #                 /tmp/tidal_site, make `import tidal` work from this checkout (a symlink shim:
 #                 tidal -> tidal_pkg, tidal.protocol -> protocol, ...), print GPU and versions
+#   triton_tests  tests/test_triton_attention.py with the kernels compiled on the GPU (TRITON_INTERPRET
+#                 unset), compared with the torch reference on the CPU
 #   gpu_tests     python3 -m pytest -m gpu tests/test_gpu.py (and any other file with gpu-marked
 #                 tests that does not switch the Triton interpreter on)
 #   bench         scripts/device_bench.py: Qwen3-0.6B (dummy weights), 256 seqs, efficiency
 #                 against the physical floor, transformers, forward-only decode step
-#   triton_tests  tests/test_triton_attention.py on the GPU (TRITON_INTERPRET unset), if present
-#                 and not CPU-only (a file that sets TRITON_INTERPRET=1 itself is skipped)
 # Each phase runs under its own timeout, cut to what is left of the whole budget
 # (DEVICE_CHECK_BUDGET_S, default 470 s), so one hang cannot eat the rest. The summary (phase
 # status passed/failed/timed_out/skipped, per-test outcomes, the benchmark's numbers) is
@@ -74,7 +74,7 @@ PHASES_FILE=$WORK/phases.tsv
 : >"$PHASES_FILE"
 START=$(date +%s)
 DEADLINE=$((START + ${DEVICE_CHECK_BUDGET_S:-470}))
-PHASES=${DEVICE_CHECK_PHASES:-"setup gpu_tests bench triton_tests"}
+PHASES=${DEVICE_CHECK_PHASES:-"setup triton_tests gpu_tests bench"}
 PY=${DEVICE_CHECK_PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee -a "$LOG") 2>&1
@@ -133,6 +133,19 @@ export TIDAL_CACHE_DIR=${TIDAL_CACHE_DIR:-$WORK/tidal-cache}
 say "mode: $([ "$SMOKE" = 1 ] && echo "CPU smoke" || echo device); out: $OUT_DIR; phases: $PHASES"
 if wants setup; then run_phase setup 90 env SMOKE="$SMOKE" PY="$PY" SITE="$SITE" bash "$ROOT/scripts/device_check.sh" __setup; fi
 
+# ---------------------------------------------------------------- Triton attention tests
+if wants triton_tests; then
+    if [ ! -f tests/test_triton_attention.py ]; then
+        skip_phase triton_tests "tests/test_triton_attention.py does not exist"
+    elif [ "$SMOKE" = 1 ]; then
+        # only collected here: they run under TRITON_INTERPRET=1 in CI already
+        run_phase triton_tests 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/test_triton_attention.py
+    else  # with CUDA the file runs the kernels compiled, compared on the CPU with the reference
+        run_phase triton_tests 150 env -u TRITON_INTERPRET "$PY" -m pytest -q -rA -p no:cacheprovider \
+            --timeout 120 --junitxml="$WORK/triton_tests.xml" tests/test_triton_attention.py
+    fi
+fi
+
 # ---------------------------------------------------------------- GPU tests
 if wants gpu_tests; then
     if [ "$SMOKE" = 1 ]; then
@@ -160,25 +173,6 @@ if wants bench; then
         limit=$(phase_limit 230)
         run_phase bench 230 "$PY" scripts/device_bench.py --device cuda --budget-s $((limit - 25)) \
             --out "$OUT_DIR/bench.json" ${DEVICE_CHECK_BENCH_ARGS:-}
-    fi
-fi
-
-# ---------------------------------------------------------------- Triton attention tests
-if wants triton_tests; then
-    if [ ! -f tests/test_triton_attention.py ]; then
-        skip_phase triton_tests "tests/test_triton_attention.py does not exist"
-    elif [ "$SMOKE" = 1 ]; then
-        # only collected here: they run under TRITON_INTERPRET=1 in CI already
-        run_phase triton_tests 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/test_triton_attention.py
-    elif grep -q '^os.environ\["TRITON_INTERPRET"\] = "1"' tests/test_triton_attention.py \
-            && [ "${DEVICE_CHECK_TRITON_FORCE:-0}" != 1 ]; then
-        # The file sets the interpreter for itself, unconditionally: its tests run on CPU tensors
-        # whatever the machine, as CI runs them; they would say nothing about the GPU here.
-        # (The GPU runs the Triton kernels in gpu_tests and bench: the default backend on CUDA.)
-        skip_phase triton_tests "the file forces TRITON_INTERPRET=1 (CPU-only tests); DEVICE_CHECK_TRITON_FORCE=1 runs them anyway"
-    else
-        run_phase triton_tests 150 env -u TRITON_INTERPRET "$PY" -m pytest -q -rA -p no:cacheprovider \
-            --timeout 120 --junitxml="$WORK/triton_tests.xml" tests/test_triton_attention.py
     fi
 fi
 

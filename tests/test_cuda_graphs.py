@@ -237,6 +237,7 @@ def test_triton_replay_under_capture_metadata(tiny_model_dir: str, monkeypatch: 
         np.testing.assert_allclose(lp_graph[rid], lp_eager[rid], rtol=0, atol=1e-4)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replay_matches_eager_on_gpu(tiny_model_dir: str) -> None:
     """On a GPU: graphs captured over the persistent buffers (Triton backend) replay decode

@@ -1,15 +1,23 @@
-"""The Triton attention backend under the Triton interpreter (CPU), against the torch reference.
+"""The Triton attention backend against the torch reference: under the Triton interpreter on
+CPU (CI), or compiled on a CUDA device when one is present (scripts/device_check.sh).
 
 TRITON_INTERPRET must be set before triton decorates the kernels (when attention_triton is
-imported), so it is set first thing; it stays set for the session (triton imports parts of
-itself lazily and checks it again).
+imported), so it is set first thing when there is no GPU (or TIDAL_TRITON_TESTS_INTERPRET=1);
+it stays set for the session (triton imports parts of itself lazily and checks it again). On
+a GPU the batches are built on the CPU, run on the device, and compared back on the CPU.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TIDAL_TRITON_TESTS_INTERPRET") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEV = torch.device("cuda" if ON_GPU else "cpu")
 
 import logging  # noqa: E402
 import random  # noqa: E402
@@ -19,8 +27,8 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
+cpu_only = pytest.mark.skipif(ON_GPU, reason="runs on CPU tensors under the interpreter")
 pytest.importorskip("triton")
 
 from tidal.worker.attention import (  # noqa: E402
@@ -87,10 +95,40 @@ def make_batch(seqs: list[tuple[int, int]], heads: int = 2, kv_heads: int = 1, h
     return Batch(q, k, v, k_cache, v_cache, slots, qsl, [s for _, s in seqs], tables, block_size)
 
 
+def on_device(meta: AttentionMetadata) -> AttentionMetadata:
+    """meta with its tensors on DEV (itself on the CPU); host fields and flags as they are."""
+    if DEV.type == "cpu":
+        return meta
+    m = copy.copy(meta)
+    m.slot_mapping, m.block_tables = meta.slot_mapping.to(DEV), meta.block_tables.to(DEV)
+    if meta.query_start_loc_device is not None:
+        m.query_start_loc_device = meta.query_start_loc_device.to(DEV)
+    if meta.seq_lens_device is not None:
+        m.seq_lens_device = meta.seq_lens_device.to(DEV)
+    return m
+
+
+def forward(backend: TritonAttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """backend.forward on DEV; the CPU caches kc/vc get what it wrote, the output comes back
+    on the CPU. The check flag the backend sets is copied back to `meta`."""
+    if DEV.type == "cpu":
+        return backend.forward(q, k, v, kc, vc, meta, scale)
+    m = on_device(meta)
+    kd, vd = kc.to(DEV), vc.to(DEV)
+    try:
+        out = backend.forward(q.to(DEV), k.to(DEV), v.to(DEV), kd, vd, m, scale)
+    finally:
+        kc.copy_(kd.cpu())
+        vc.copy_(vd.cpu())
+        meta.block_tables_checked = m.block_tables_checked
+    return out.cpu()
+
+
 def run_triton(b: Batch, meta: AttentionMetadata | None = None,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kc, vc = b.caches()
-    out = TritonAttentionBackend(**kwargs).forward(b.q, b.k, b.v, kc, vc, meta or b.meta(), b.q.shape[2] ** -0.5)
+    out = forward(TritonAttentionBackend(**kwargs), b.q, b.k, b.v, kc, vc, meta or b.meta(), b.q.shape[2] ** -0.5)
     return out, kc, vc
 
 
@@ -175,8 +213,8 @@ def test_chunked_prefill_over_steps_matches_whole_sequence() -> None:
         pos = range(start, start + n)
         slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in pos])
         meta = AttentionMetadata.build(slots, [0, n], [start + n], table, bs)
-        outs.append(backend.forward(q[start:start + n], k[start:start + n], v[start:start + n], kc, vc, meta,
-                                    head_dim ** -0.5))
+        outs.append(forward(backend, q[start:start + n], k[start:start + n], v[start:start + n], kc, vc, meta,
+                            head_dim ** -0.5))
         start += n
     whole = make_batch([(seq_len, seq_len)], heads, kv_heads, head_dim, bs)
     whole.q, whole.k, whole.v = q, k, v
@@ -265,7 +303,7 @@ def test_bad_block_ids_refused_before_any_write(what: str) -> None:
     meta = b.meta()
     kc, vc = b.caches()
     with pytest.raises(ValueError, match=rf"sequence 1\b.*{bad}.*{num_blocks}"):
-        TritonAttentionBackend().forward(b.q, b.k, b.v, kc, vc, meta, 0.125)
+        forward(TritonAttentionBackend(), b.q, b.k, b.v, kc, vc, meta, 0.125)
     assert torch.equal(kc, b.k_cache) and torch.equal(vc, b.v_cache)
     assert not meta.block_tables_checked
 
@@ -277,10 +315,11 @@ def test_check_reads_only_owned_entries_and_sets_flag() -> None:
     b.tables[0, 1:] = 10**6
     meta = b.meta()
     kc, vc = b.caches()
-    TritonAttentionBackend().forward(b.q, b.k, b.v, kc, vc, meta, 0.125)
+    forward(TritonAttentionBackend(), b.q, b.k, b.v, kc, vc, meta, 0.125)
     assert meta.block_tables_checked
 
 
+@cpu_only
 def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the interpreter CPU tensors are refused clearly; tidal.worker.attention imports
     without triton."""
@@ -304,6 +343,7 @@ def _paged_step(model: torch.nn.Module, tokens: list[int], start: int, table: li
         return model.compute_logits(hidden)[-1]
 
 
+@cpu_only  # on a GPU: tests/test_gpu.py runs whole models through the engine
 def test_tiny_model_greedy_matches_transformers(tmp_path: Any, tidal_cache_dir: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
