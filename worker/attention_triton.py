@@ -76,7 +76,9 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-@triton.jit
+# num_seqs only bounds the sequence search: specializing on it (== 1, % 16) would compile
+# two or three copies of the kernel per configuration for nothing.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, qk_scale,

@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from tidal.worker.sampler import SamplingMetadata
 
 
+def device_tensor(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`torch.tensor(values, dtype, device)` without the host waiting for the device: on CUDA
+    a plain host-to-device copy synchronizes the stream (the host would sit idle until the
+    step's forward is done instead of preparing the sampling inputs meanwhile), so the values
+    go through pinned memory (torch's cached host allocator) with a non-blocking copy."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def bad_words_banned_now(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> set[int]:
     """Tokens a row may not sample next (vLLM's rule): a one-token bad word always; the last
     token of a longer one when the output so far ends with the tokens before it."""
@@ -74,15 +85,13 @@ class TokenRules:
         def index(rows: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
             if not rows:
                 return None
-            return (torch.tensor(rows, dtype=torch.int64, device=device),
-                    torch.tensor(ids, dtype=torch.int64, device=device))
+            return device_tensor(rows, torch.int64, device), device_tensor(ids, torch.int64, device)
 
         bias_index = index(bias[0], bias[1])
         return TokenRules(
-            allowed_rows=torch.tensor(allowed_rows, dtype=torch.int64, device=device) if allowed_rows else None,
+            allowed_rows=device_tensor(allowed_rows, torch.int64, device) if allowed_rows else None,
             allowed_flat=index(*allowed), banned=index(*banned),
-            bias=None if bias_index is None else (*bias_index, torch.tensor(bias[2], dtype=torch.float32,
-                                                                            device=device)))
+            bias=None if bias_index is None else (*bias_index, device_tensor(bias[2], torch.float32, device)))
 
     def apply(self, x: torch.Tensor) -> None:
         """In place on the float32 logits x [B, V]: allowed-only, bad words, then logit bias."""
@@ -103,15 +112,14 @@ def apply_penalties(x: torch.Tensor, md: SamplingMetadata,
     `count_table()` is an all-zero int32 [B, V + 1] scratch table, left all-zero again."""
     V = x.shape[1]
     if md.min_tokens:
-        rc = torch.tensor([(r, t) for r, ids in md.min_tokens.items() for t in ids], device=x.device)
+        rc = device_tensor([(r, t) for r, ids in md.min_tokens.items() for t in ids], torch.int64, x.device)
         x[rc[:, 0], rc[:, 1]] = float("-inf")
     if md.no_penalties:
         return
     # Penalties touch only tokens seen in prompt/output: gather, edit, scatter back (no [B, V] pass).
     rep, freq, pres = md.repetition_penalties, md.frequency_penalties, md.presence_penalties
     width = max((len(o) for o in md.output_token_ids), default=0)
-    out = torch.tensor([o + [V] * (width - len(o)) for o in md.output_token_ids],
-                       dtype=torch.int64, device=x.device)
+    out = device_tensor([o + [V] * (width - len(o)) for o in md.output_token_ids], torch.int64, x.device)
     prompt = md.prompt_token_ids if rep is not None else None
     idx = out if prompt is None else torch.cat([out, prompt.to(x.device)], 1)  # padded with V
     if idx.shape[1] == 0:
@@ -192,5 +200,5 @@ def apply_token_bitmask_by_shifts(x: torch.Tensor, words: np.ndarray, rows: list
     allowed = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)  # [R, 32 * words]
     if allowed.shape[1] < V:
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
-    index = torch.tensor(rows, dtype=torch.int64, device=x.device)
+    index = device_tensor(rows, torch.int64, x.device)
     x[index] = x.index_select(0, index).masked_fill_(allowed[:, :V] == 0, float("-inf"))

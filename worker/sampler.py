@@ -26,7 +26,8 @@ from tidal.protocol.messages import LogprobsArrays
 from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.protocol.utils import GREEDY_EPS
-from tidal.worker.logits_processors import WEIGHT_FLOOR, Cutoffs, TokenRules, apply_penalties, processed_logits
+from tidal.worker.logits_processors import (WEIGHT_FLOOR, Cutoffs, TokenRules, apply_penalties, device_tensor,
+                                            processed_logits)
 
 # Weights below WEIGHT_FLOOR (2^-100) of the row max are dropped (every row, so a draw never depends on its
 # batch): the per-row rescale by 1/omega then stays < 2^100 and float32 block sums cannot overflow.
@@ -111,7 +112,7 @@ class SamplingMetadata:
         greedy = [p.sampling_type_greedy for p in params]
 
         def opt(values: list[float] | list[int], off: float, dtype: torch.dtype) -> torch.Tensor | None:
-            return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=device)
+            return None if all(v == off for v in values) else device_tensor(values, dtype, device)
 
         # Truncation cannot change an argmax, so greedy rows count as "off" whatever they carry.
         top_k = opt([0 if g else p.top_k for p, g in zip(params, greedy)], 0, torch.int64)
@@ -124,7 +125,7 @@ class SamplingMetadata:
         if rep is not None:
             width = max(len(t) for t in prompt_token_ids)
             padded = [t + [vocab_size] * (width - len(t)) for t in prompt_token_ids]
-            prompts = torch.tensor(padded, dtype=torch.int64, device=device)
+            prompts = device_tensor(padded, torch.int64, device)
         # The front-end always sets a seed; a missing one still samples, just not reproducibly.
         seeds = [_i64(p.seed if p.seed is not None else random.getrandbits(64)) for p in params]
         # Like vLLM, min_tokens blocks eos even with ignore_eos (it is in all_stop_token_ids).
@@ -136,18 +137,18 @@ class SamplingMetadata:
         mixed = any(greedy) and not all(greedy)
         random_rows = [i for i, g in enumerate(greedy) if not g] if mixed else None
         return SamplingMetadata(
-            temperature=torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                     dtype=torch.float32, device=device),
+            temperature=device_tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                      torch.float32, device),
             all_greedy=all(greedy), all_random=not any(greedy), top_k=top_k, top_p=top_p, min_p=min_p,
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            seeds=device_tensor(seeds, torch.int64, device),
+            positions=device_tensor(positions, torch.int64, device),
             no_penalties=pres is None and freq is None and rep is None,
             presence_penalties=pres, frequency_penalties=freq, repetition_penalties=rep,
             prompt_token_ids=prompts, output_token_ids=output_token_ids, min_tokens=min_tokens,
             max_num_logprobs=max(ks) if ks else None,
             token_rules=TokenRules.build(params, output_token_ids, device), logprobs_mode=logprobs_mode,
             max_top_k=0 if top_k is None else max(0 if g else p.top_k for p, g in zip(params, greedy)),
-            random_rows=None if random_rows is None else torch.tensor(random_rows, dtype=torch.long, device=device))
+            random_rows=None if random_rows is None else device_tensor(random_rows, torch.long, device))
 
 
 @dataclass
