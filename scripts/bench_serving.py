@@ -7,8 +7,11 @@ Starts `tidal serve DIR [engine args]` on 127.0.0.1 (a free port), waits for /he
 warm-up request and `--num-warmups` untimed workloads (default 1; LLM.generate gets the same),
 then `--num-prompts` streamed /v1/completions requests (random token-id
 prompts, ignore_eos) arriving as a Poisson process at `--request-rate` (inf: all at once), and
-prints vLLM's figures. The server is then stopped and reaped, the same workload runs through
-`LLM.generate` with the same engine args, and the last line is server tok/s / LLM.generate's.
+prints vLLM's figures. An `LLM` with the same engine args (warmed up the same way) lives beside
+the server, and each timed workload also runs through `LLM.generate`, right before or after its
+server run (alternating): this machine's speed drifts too much for one side's runs to be
+compared with the other's taken minutes apart. The last lines: server tok/s / LLM.generate's
+(medians), and the ratio per workload. The server and the LLM are then stopped and reaped.
 As vLLM: TTFT = first chunk - send; ITL = gaps between chunks; TPOT = (latency - TTFT) /
 (output tokens - 1); output tokens = usage.completion_tokens. Defaults suit a small CPU box
 (vLLM's: 1000 x 1024 -> 128). CPU seconds of the client, the server's front-end and its engine
@@ -246,6 +249,13 @@ def server_cpu_s(pid: int) -> tuple[float, float]:
     return cpu(front), sum(cpu(c) for c in front.children(recursive=True))
 
 
+def server_steps(base: str) -> int:
+    """Engine steps the server's core has run so far (its iteration-tokens histogram count)."""
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tidal:iteration_tokens_total_count")))
+
+
 def start_server(model: str, port: int, engine_argv: list[str], log: Any) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), *engine_argv]
@@ -279,33 +289,49 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
             proc.wait()
 
 
-def run_offline(model: str, workloads: list[list[Request]], engine_kwargs: dict[str, Any],
-                temperature: float, warmups: list[list[Request]]) -> list[float]:
-    """LLM.generate on the same workloads, one LLM, after a warm-up request and the untimed
-    `warmups` (as the server had them): output tok/s each."""
-    from tidal.frontend import LLM
-    from tidal.protocol import SamplingParams
+class OfflineRunner:
+    """LLM.generate on the server's workloads, one LLM, alive beside the server so that each
+    timed server run has its offline twin right before or after it (same machine state: this
+    2-core machine's speed drifts by tens of percent over a minute). Warmed up like the server:
+    a 4-token request, then the untimed `warmups`."""
 
-    rates = []
-    with LLM(model, **engine_kwargs) as llm:
-        llm.generate([{"prompt_token_ids": workloads[0][0].prompt_token_ids}], SamplingParams(max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
-        for requests in warmups:
-            llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
-                         [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature)
-                          for r in requests], use_tqdm=False)
-        for requests in workloads:
-            prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-            params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature)
-                      for r in requests]
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            assert tokens == sum(r.max_tokens for r in requests), tokens
-            print(f"LLM.generate: {len(outs)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.2f} output tok/s")
-            rates.append(tokens / dt)
-    return rates
+    def __init__(self, model: str, engine_kwargs: dict[str, Any], temperature: float,
+                 warmups: list[list[Request]]) -> None:
+        from tidal.frontend import LLM
+
+        self.temperature = temperature
+        self.llm = LLM(model, **engine_kwargs)
+        try:
+            self.run(warmups[0][:1] if warmups else [], quiet=True, max_tokens=4)
+            for requests in warmups:
+                self.run(requests, quiet=True)
+        except BaseException:
+            self.llm.shutdown()
+            raise
+
+    def run(self, requests: list[Request], quiet: bool = False, max_tokens: int | None = None) -> float:
+        """Output tok/s of one LLM.generate over `requests`."""
+        from tidal.protocol import SamplingParams
+
+        if not requests:
+            return 0.0
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        params = [SamplingParams(max_tokens=max_tokens or r.max_tokens, ignore_eos=True, temperature=self.temperature)
+                  for r in requests]
+        steps0 = self.llm.llm_engine.call_utility("get_timing")[2]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        steps = self.llm.llm_engine.call_utility("get_timing")[2] - steps0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert tokens == sum(p.max_tokens for p in params), tokens
+        if not quiet:
+            print(f"LLM.generate: {len(outs)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.2f} output tok/s, "
+                  f"{steps} engine steps")
+        return tokens / dt
+
+    def close(self) -> None:
+        self.llm.shutdown()
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
@@ -342,18 +368,21 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     return args, engine_argv, engine_kwargs
 
 
-def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
+def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kwargs: dict[str, Any]
                      ) -> tuple[list[tuple[list[Request], list[Result], float, tuple[float, float, float]]],
-                                list[list[Request]]]:
-    """Start the server, build the workloads while it loads, run them (warm-ups first, untimed):
-    (the timed runs, the warm-up workloads). The server is stopped and
-    reaped on every path (its log is kept and its tail printed unless all went well)."""
+                                list[float]]:
+    """Start the server, build the workloads while it loads, run them (warm-ups first, untimed),
+    each timed one next to its LLM.generate twin (unless --no-offline): (the timed server runs,
+    the offline output tok/s in the same order). The server and the offline engine are stopped
+    and reaped on every path (the server's log is kept and its tail printed unless all went well)."""
     from transformers import AutoTokenizer
 
     from tidal.protocol.utils import free_port
 
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
+    offline: OfflineRunner | None = None
+    offline_rates: list[float] = []
     with tempfile.NamedTemporaryFile(prefix="tidal-serve-", suffix=".log", delete=False) as log:
         proc = start_server(args.model, port, engine_argv, log)
         try:
@@ -368,14 +397,25 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
             asyncio.run(wait_healthy(base, proc, args.ready_timeout))
             for requests in warmups:
                 asyncio.run(run_client(base, requests, args))
+            if not args.no_offline:
+                offline = OfflineRunner(args.model, engine_kwargs, args.temperature, warmups)
             runs = []
-            for requests in workloads:
+            for i, requests in enumerate(workloads):
+                if offline is not None and i % 2:  # ABBA order: a drift favours neither side
+                    offline_rates.append(offline.run(requests))
+                steps0 = server_steps(base)
                 cpu0, server0 = time.process_time(), server_cpu_s(proc.pid)
                 results, duration = asyncio.run(run_client(base, requests, args))
                 server1 = server_cpu_s(proc.pid)
+                print(f"server: {len(requests)} requests in {duration:.2f} s, "
+                      f"{server_steps(base) - steps0} engine steps (4 of them the client's 4-token warm-up request)")
                 runs.append((requests, results, duration,
                              (time.process_time() - cpu0, server1[0] - server0[0], server1[1] - server0[1])))
+                if offline is not None and not i % 2:
+                    offline_rates.append(offline.run(requests))
         except BaseException as e:
+            if offline is not None:
+                offline.close()
             stop_server(proc)
             log.flush()
             with open(log.name, errors="replace") as f:
@@ -384,12 +424,14 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str]
             if isinstance(e, (RuntimeError, TimeoutError, httpx.HTTPError)):
                 sys.exit(f"error: {type(e).__name__}: {e}")
             raise
+        if offline is not None:
+            offline.close()
         stop_server(proc)
     if proc.returncode != 0:
         print(f"note: the server exited with code {proc.returncode} on SIGTERM (log: {log.name})", file=sys.stderr)
     else:
         os.unlink(log.name)
-    return runs, warmups
+    return runs, offline_rates
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -398,12 +440,18 @@ def _sigterm(signum: int, frame: Any) -> None:
 
 def main() -> None:
     args, engine_argv, engine_kwargs = parse_args()
+    try:  # the client's event loop: uvloop's costs the client (which shares the CPUs) less
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
     signal.signal(signal.SIGTERM, _sigterm)
     if args.model is None:
         from tidal.frontend.make_model import ensure_default_model
 
         args.model = ensure_default_model()
-    runs, warmups = run_server_phase(args, engine_argv)
+    runs, offline = run_server_phase(args, engine_argv, engine_kwargs)
     served = []
     for requests, results, duration, cpu_s in runs:
         metrics = compute_metrics(results, requests, duration)
@@ -413,11 +461,14 @@ def main() -> None:
         served.append(metrics["output_throughput"])
     if args.no_offline:
         return
-    offline = run_offline(args.model, [requests for requests, *_ in runs], engine_kwargs, args.temperature, warmups)
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s"
     server_tp, offline_tp = float(np.median(served)), float(np.median(offline))
+    pairs = [a / b for a, b in zip(served, offline)]
     print(f"server / LLM.generate output tok/s (rate {rate}, median of {len(runs)}): "
           f"{server_tp:.2f} / {offline_tp:.2f} = {server_tp / offline_tp:.3f}")
+    print(f"  per workload (each server run beside its LLM.generate twin): "
+          f"{', '.join(f'{r:.3f}' for r in pairs)}; median {float(np.median(pairs)):.3f}")
+
 
 if __name__ == "__main__":
     try:
