@@ -151,11 +151,22 @@ TRUNCATION = [
 ]
 
 
-@pytest.mark.parametrize("candidates", [64, 3])
-def test_truncation_matches_reference(candidates: int) -> None:
+@pytest.mark.parametrize("candidates, sync_free", [(64, False), (3, False), (64, True)])
+def test_truncation_matches_reference(candidates: int, sync_free: bool) -> None:
+    """sync_free: the GPU's way (a full sort for top-p, masks for min-p: nothing read back)."""
     b = len(TRUNCATION)
     logits = make_logits(b, seed=1)
-    check_against_reference(Sampler(top_p_candidates=candidates), logits, TRUNCATION, [[1]] * b, [[]] * b)
+    sampler = Sampler(top_p_candidates=candidates, sync_free=sync_free)
+    check_against_reference(sampler, logits, TRUNCATION, [[1]] * b, [[]] * b)
+
+
+def test_sync_free_sampling_draws_the_same_tokens() -> None:
+    """The GPU's sync-free truncation and the CPU's candidate search draw the same tokens."""
+    b = len(TRUNCATION)
+    logits = make_logits(b, seed=2)
+    md = build(TRUNCATION, [[1]] * b, [[]] * b)
+    a = Sampler(sync_free=False)(logits, md).sampled_token_ids
+    assert torch.equal(Sampler(sync_free=True)(logits, md).sampled_token_ids, a)
 
 
 def test_truncation_with_penalties_and_peaky_logits() -> None:

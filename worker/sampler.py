@@ -265,10 +265,14 @@ def _take(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | N
 class Sampler(nn.Module):
     """`forward(logits [B, V], md) -> SamplerOutput`. Never modifies `logits`."""
 
-    def __init__(self, block_size: int = 1024, top_p_candidates: int = 64) -> None:
+    def __init__(self, block_size: int = 1024, top_p_candidates: int = 64, sync_free: bool | None = None) -> None:
         super().__init__()
         self.block_size = block_size  # part of the draw's definition: changing it changes tokens
         self.top_p_candidates = top_p_candidates  # top-p looks here first, then 4x wider, ...
+        # Truncation without asking the device anything (no host sync: a full sort for top-p,
+        # masks instead of nonzero for min-p); None: so off the CPU, where syncs stall the
+        # stream and sorts are cheap. Same results either way (tests run both on CPU).
+        self.sync_free = sync_free
         # Reused [B, V] buffers: a fresh 155 MB tensor per step (B=256) costs ~50 ms of page faults.
         self._bufs: dict[str, torch.Tensor] = {}
 
@@ -334,7 +338,11 @@ class Sampler(nn.Module):
             k = top_k.clamp(max=V) if top_k is not None else None
             # max_top_k: the host's; reading k.max() back is a device sync (metadata built by hand)
             k_max = (max_top_k or int(k.max())) if k is not None else 1
-            width = max(min(k_max, V), 1 if top_p is None else self.top_p_candidates)
+            # Top-p looks at top_p_candidates first and widens the rows whose nucleus runs past
+            # them, which asks the device whether any does (a sync); sync-free, one full sort
+            # never needs widening. Same cutoffs either way (prefix sums).
+            candidates = V if self._sync_free(x) else self.top_p_candidates
+            width = max(min(k_max, V), 1 if top_p is None else candidates)
             vals = _topk(w, min(width, V))[0]  # sorted descending
             has_k = k > 0 if k is not None else torch.zeros(R, dtype=torch.bool, device=x.device)
             if k is not None:  # keep ties with the k-th value, like vLLM
@@ -344,6 +352,9 @@ class Sampler(nn.Module):
                 omega = torch.maximum(omega, self._top_p_cutoff(w, vals, omega, top_p, has_k, min_p))
         w.div_(omega[:, None])
         return F.threshold_(w, _BELOW_ONE, 0.0), omega
+
+    def _sync_free(self, x: torch.Tensor) -> bool:
+        return x.device.type != "cpu" if self.sync_free is None else self.sync_free
 
     def _top_p_cutoff(self, w: torch.Tensor, vals: torch.Tensor, omega: torch.Tensor, top_p: torch.Tensor,
                       has_k: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
@@ -358,6 +369,11 @@ class Sampler(nn.Module):
         # Mass min-p/top-k kept: top-k rows from the candidates, others from the whole row, summed
         # by blocks (a lone [1, V] row sum is split over threads: its rounding would hang on B).
         z = _block_reduce(w, self.block_size, "sum").double().sum(-1)
+        if min_p is not None and self._sync_free(w):  # all rows, no nonzero (a host sync)
+            wm = torch.where(w >= min_p[:, None], w, 0.0)
+            zm = _block_reduce(wm, self.block_size, "sum").double().sum(-1)
+            z = torch.where((min_p > 0) & ~has_k & active, zm, z)
+            min_p = None
         rows = None if min_p is None else ((min_p > 0) & ~has_k & active).nonzero().squeeze(1)
         if rows is not None and rows.numel():
             wm = w.index_select(0, rows)
