@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -33,11 +32,10 @@ import traceback
 from typing import Any, Callable
 from unittest import mock
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device_floor import floor_model, m_kv_block, model_numbers  # noqa: E402
+from device_floor import ceilings, floor_model, m_kv_block, model_numbers, sync, time_fn  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = time.perf_counter()
@@ -56,45 +54,7 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def time_fn(fn: Callable[[], Any], dev: torch.device, iters: int, warmup: int = 2) -> float:
-    """Median seconds of fn (CUDA events on the GPU, perf_counter after a sync elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    times = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 # ------------------------------------------------------------------ phases
-
-
-def ceilings(dev: torch.device, copy_mb: int, n: int, dtype: torch.dtype) -> dict[str, float]:
-    src = torch.empty(copy_mb << 19, dtype=torch.bfloat16, device=dev).normal_()  # copy_mb MiB, random
-    dst = torch.empty_like(src)
-    t_copy = time_fn(lambda: dst.copy_(src), dev, 20, 3)
-    nbytes = src.numel() * src.element_size()
-    a = torch.randn(n, n, dtype=dtype, device=dev)
-    b = torch.randn(n, n, dtype=dtype, device=dev)
-    t_mm = time_fn(lambda: a @ b, dev, 20 if dev.type == "cuda" else 3, 3)
-    return {"copy_bytes": nbytes, "copy_s": t_copy, "bandwidth_Bps": 2 * nbytes / t_copy,
-            "matmul_n": n, "matmul_s": t_mm, "matmul_flops": 2 * n**3 / t_mm}
 
 
 def workload(n: int, lo: int, hi: int, olo: int, ohi: int, vocab: int, seed: int,

@@ -1,8 +1,11 @@
 """The physical floor of an offline workload on one device (scripts/device_bench.py): what the
-model must read and compute, from its config, over measured bandwidth and FLOP/s."""
+model must read and compute, from its config, over measured bandwidth and FLOP/s (measured
+here too: `ceilings`)."""
 from __future__ import annotations
 
-from typing import Any
+import statistics
+import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -49,3 +52,39 @@ def floor_model(prompts: list[int], outputs: list[int], m: dict[str, float], bw:
             "prefill_floor_s": prefill_flops / rate, "floor_output_tok_s": float(o.sum()) / floor_s}
 
 
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def time_fn(fn: Callable[[], Any], dev: torch.device, iters: int, warmup: int = 2) -> float:
+    """Median seconds of fn (CUDA events on the GPU, perf_counter after a sync elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    times = []
+    for _ in range(iters):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def ceilings(dev: torch.device, copy_mb: int, n: int, dtype: torch.dtype) -> dict[str, float]:
+    src = torch.empty(copy_mb << 19, dtype=torch.bfloat16, device=dev).normal_()  # copy_mb MiB, random
+    dst = torch.empty_like(src)
+    t_copy = time_fn(lambda: dst.copy_(src), dev, 20, 3)
+    nbytes = src.numel() * src.element_size()
+    a = torch.randn(n, n, dtype=dtype, device=dev)
+    b = torch.randn(n, n, dtype=dtype, device=dev)
+    t_mm = time_fn(lambda: a @ b, dev, 20 if dev.type == "cuda" else 3, 3)
+    return {"copy_bytes": nbytes, "copy_s": t_copy, "bandwidth_Bps": 2 * nbytes / t_copy,
+            "matmul_n": n, "matmul_s": t_mm, "matmul_flops": 2 * n**3 / t_mm}
