@@ -82,13 +82,20 @@ def _decode_tables(rng: random.Random, batch: int, block: int, ids: list[int]) -
     return lens, tables
 
 
+DECODE_BLOCK, DECODE_POOL = 16, 4096  # block size and pool of the decode-attention benches
+
+
+def _decode_pool() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Random float32 K and V caches of DECODE_POOL blocks, and the block ids to draw from."""
+    shape = (DECODE_POOL, DECODE_BLOCK, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape), torch.randn(shape), list(range(DECODE_POOL))
+
+
 def bench_decode_attention() -> None:
     print("decode attention (one layer; contexts U[17,384], pool of 4096 blocks of 16):")
     rng = random.Random(0)
-    block, num_blocks = 16, 4096
-    k_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
-    v_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
-    ids = list(range(num_blocks))
+    block = DECODE_BLOCK
+    k_cache, v_cache, ids = _decode_pool()
     for batch in (1, 4, 16, 32, 64):
         lens, tables = _decode_tables(rng, batch, block, ids)
         slots = torch.tensor([int(tables[i, (n - 1) // block]) * block + (n - 1) % block for i, n in enumerate(lens)])
@@ -142,12 +149,10 @@ def bench_panel_gemm(rows: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 256)) -> None
 def bench_half_cache_attention() -> None:
     print("decode attention over half caches vs the float32 cache (C kernel; ratio = f32 / half):")
     rng = random.Random(0)
-    block, num_blocks = 16, 4096
-    k32 = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
-    v32 = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM)
+    block = DECODE_BLOCK
+    k32, v32, ids = _decode_pool()
     caches = {dt: (k32.to(dt), v32.to(dt)) for dt in (torch.float16, torch.bfloat16)}
     caches[torch.float32] = (k32, v32)
-    ids = list(range(num_blocks))
     cpu = CpuAttentionBackend()
     for batch in (1, 4, 16, 32, 64):
         lens, tables = _decode_tables(rng, batch, block, ids)

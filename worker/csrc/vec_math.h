@@ -4,6 +4,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* exp(x) vectorizable inside `omp simd` loops (glibc's expf is a scalar call). Cody-Waite range
  * reduction and Cephes' degree-6 polynomial, relative error ~1e-7; x is clamped to [-87, 88]. */
@@ -31,19 +32,15 @@ static inline float exp_clamped(float x) {
  * `.to(torch.float16 / torch.bfloat16)`; a NaN stays a NaN of the same sign (quiet, its payload
  * truncated, as F16C's vcvtps2ph does), an overflow becomes infinity. */
 static inline uint32_t f32_bits(float f) {
-    union {
-        float f;
-        uint32_t u;
-    } v = {.f = f};
-    return v.u;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u); /* the well-defined type pun; compiles to a register move */
+    return u;
 }
 
 static inline float bits_f32(uint32_t u) {
-    union {
-        uint32_t u;
-        float f;
-    } v = {.u = u};
-    return v.f;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
