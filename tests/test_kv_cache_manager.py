@@ -32,8 +32,10 @@ def check_pool(pool: BlockPool, holders: list[list[int]]) -> None:
     for ids in holders:
         for i in ids:
             refs[i] += 1
-    assert [b.ref_cnt for b in pool.blocks] == refs
-    assert set(pool.free_block_queue) == {i for i, r in enumerate(refs) if r == 0}
+    assert pool.ref_counts() == refs
+    assert pool.free_block_ids() == {i for i, r in enumerate(refs) if r == 0}
+    assert pool.get_num_free_blocks() == refs.count(0)
+    assert all(b.block_id == i for i, b in enumerate(pool.blocks))
     for h, b in pool.cached_block_hash_to_block.items():
         assert b.block_hash == h
 
@@ -229,3 +231,63 @@ def test_reset_prefix_cache() -> None:
     assert kv.reset_prefix_cache() is True
     assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
     assert all(b.block_hash is None for b in kv.block_pool.blocks)
+
+
+class _EagerPool:
+    """Reference: one queue holding every block from the start, in id order (the pool before
+    blocks were made lazily); freed ids join its tail, or its front when reusing latest first."""
+
+    def __init__(self, num_blocks: int, reuse_latest_first: bool) -> None:
+        self.queue = list(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.reuse_latest_first = reuse_latest_first
+
+    def get(self, n: int) -> list[int]:
+        out, self.queue = self.queue[:n], self.queue[n:]
+        for i in out:
+            self.refs[i] = 1
+        return out
+
+    def touch(self, ids: list[int]) -> None:
+        for i in ids:
+            if self.refs[i] == 0:
+                self.queue.remove(i)
+            self.refs[i] += 1
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] -= 1
+            if self.refs[i] == 0:
+                if self.reuse_latest_first:
+                    self.queue.insert(0, i)
+                else:
+                    self.queue.append(i)
+
+
+def test_lazy_blocks_hand_out_the_eager_order() -> None:
+    """Blocks made on first use hand out exactly the ids one eager queue would, under random
+    allocation, touches of held or free blocks, and frees, in both reuse orders."""
+    import random
+
+    for reuse_latest_first in (False, True):
+        rng = random.Random(7 + reuse_latest_first)
+        pool, ref = BlockPool(40, reuse_latest_first=reuse_latest_first), _EagerPool(40, reuse_latest_first)
+        held: list[list[int]] = []
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.45 and pool.get_num_free_blocks():
+                n = rng.randint(1, min(5, pool.get_num_free_blocks()))
+                ids = [b.block_id for b in pool.get_new_blocks(n)]
+                assert ids == ref.get(n)
+                held.append(ids)
+            elif op < 0.6 and pool.blocks:
+                ids = rng.sample(range(len(pool.blocks)), rng.randint(1, min(3, len(pool.blocks))))
+                pool.touch(pool.blocks[i] for i in ids)
+                ref.touch(ids)
+                held.append(ids)
+            elif held:
+                ids = held.pop(rng.randrange(len(held)))
+                pool.free_blocks(pool.blocks[i] for i in ids)
+                ref.free(ids)
+            assert pool.ref_counts() == ref.refs
+            assert pool.get_num_free_blocks() == ref.refs.count(0) == len(ref.queue)

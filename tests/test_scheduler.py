@@ -585,7 +585,7 @@ def _random_case(seed: int, policy: str = "fcfs") -> None:
         for blocks in kv.req_to_blocks.values():
             for b in blocks:
                 refs[b.block_id] += 1
-        assert [b.ref_cnt for b in kv.block_pool.blocks] == refs
+        assert kv.block_pool.ref_counts() == refs
         assert kv.num_free_blocks == refs.count(0)
         assert set(kv.req_to_blocks) == {r.request_id for r in sched.running}
     assert_pool_empty(sched)
