@@ -8,8 +8,8 @@ for count as useful output for both engines.
 
 Fairness: both engines first run an untimed warm-up workload of the same shape whose prompts
 share nothing with the timed ones, and tidal's prefix cache is reset before every timed
-repeat, so no timed prompt is ever a cache hit. Each engine is timed --repeats times (default 3) and the median is compared; every
-sample is printed.
+repeat, so no timed prompt is ever a cache hit. Each engine is timed --repeats times (default 3) and the
+median is compared; every sample is printed. --half's runs alternate with float32's (see run_tidal).
 
     python scripts/bench_offline.py [--tensor-parallel-size 2] [--num-seqs 32] [--repeats 3] [--skip-hf]
                                     [--cold] [--half bfloat16|float16]
@@ -53,49 +53,71 @@ def warmup_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], lis
 COLD_WARMUP = ([[3, 11, 12, 13]], [4])  # --cold: one request, 4 prompt tokens, 4 output tokens
 
 
-def run_tidal(model: str, prompts: list[list[int]], outputs: list[int], tp: int, repeats: int,
-              warm: tuple[list[list[int]], list[int]], dtype: str = "float32",
-              cold: bool = False) -> tuple[list[float], dict, float | None]:
-    """(warm times, the median warm run's timing, the cold time or None). With `cold`, the
-    first timed run follows only COLD_WARMUP, as a new user's first batch would."""
-    from tidal.frontend import LLM
-    from tidal.protocol import SamplingParams
+class TidalRunner:
+    """One `LLM` on the benchmark's checkpoint, timed one workload at a time."""
 
-    llm = LLM(model=model, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=256,
-              max_num_batched_tokens=4096, max_model_len=1024, seed=0)
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
+    def __init__(self, model: str, tp: int, dtype: str = "float32") -> None:
+        from tidal.frontend import LLM
 
-    def timed_run() -> tuple[float, dict]:
-        assert llm.reset_prefix_cache()
-        step0, fwd0, n0 = llm.llm_engine.call_utility("get_timing")  # cumulative (step s, forward s, steps)
+        self.llm = LLM(model=model, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=256,
+                       max_num_batched_tokens=4096, max_model_len=1024, seed=0)
+
+    def generate(self, work: tuple[list[list[int]], list[int]]) -> list:
+        from tidal.protocol import SamplingParams
+
+        return self.llm.generate([{"prompt_token_ids": p} for p in work[0]],
+                                 [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in work[1]],
+                                 use_tqdm=False)
+
+    def timed_run(self, work: tuple[list[list[int]], list[int]]) -> tuple[float, dict]:
+        """(seconds, the engine's step/forward time and step count over the run)."""
+        assert self.llm.reset_prefix_cache()
+        step0, fwd0, n0 = self.llm.llm_engine.call_utility("get_timing")  # cumulative (step s, forward s, steps)
         t0 = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results = self.generate(work)
         elapsed = time.perf_counter() - t0
-        step1, fwd1, n1 = llm.llm_engine.call_utility("get_timing")
+        step1, fwd1, n1 = self.llm.llm_engine.call_utility("get_timing")
         got = sum(len(r.outputs[0].token_ids) for r in results)
-        assert got == sum(outputs), (got, sum(outputs))
+        assert got == sum(work[1]), (got, sum(work[1]))
         assert all(r.num_cached_tokens == 0 for r in results), "a timed prompt hit the prefix cache"
-        return elapsed, {"step_s": step1 - step0, "forward_s": fwd1 - fwd0, "steps": n1 - n0}
+        return elapsed, {"step_s": step1 - step0, "forward_s": fwd1 - fwd0, "steps": n1 - n0, "wall_s": elapsed}
 
-    def untimed(work: tuple[list[list[int]], list[int]]) -> None:
-        llm.generate([{"prompt_token_ids": p} for p in work[0]],
-                     [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in work[1]],
-                     use_tqdm=False)
+    def shutdown(self) -> None:
+        self.llm.shutdown()
 
-    cold_s = None
-    if cold:
-        untimed(COLD_WARMUP)
-        cold_s = timed_run()[0]
-    untimed(warm)
-    times: list[float] = []
-    timings: list[dict] = []
-    for _ in range(repeats):
-        elapsed, timing = timed_run()
-        times.append(elapsed)
-        timings.append(timing)
-    llm.shutdown()
-    median = sorted(range(repeats), key=lambda i: times[i])[repeats // 2]
-    return times, timings[median] | {"wall_s": times[median]}, cold_s
+
+def run_tidal(model: str, work: tuple[list[list[int]], list[int]], tp: int, repeats: int,
+              warm: tuple[list[list[int]], list[int]], cold: bool = False,
+              half: str | None = None) -> tuple[list[dict], float | None, list[dict]]:
+    """(float32 timings, the cold time or None, `half` timings). With `cold`, the first timed
+    run follows only COLD_WARMUP, as a new user's first batch would. With `half`, a second LLM
+    in that dtype is warmed up too and the timed runs alternate between the two, in pairs of
+    alternating order (ABBA...): this machine's speed drifts by more than the difference
+    between the dtypes over the minute one side's runs take."""
+    runner = TidalRunner(model, tp)
+    runners = [runner]
+    try:
+        cold_s = None
+        if cold:
+            runner.generate(COLD_WARMUP)
+            cold_s = runner.timed_run(work)[0]
+        runner.generate(warm)
+        if half is not None:
+            runners.append(TidalRunner(model, tp, dtype=half))
+            runners[1].generate(warm)
+        timings: list[list[dict]] = [[] for _ in runners]
+        for r in range(repeats):
+            order = range(len(runners)) if r % 2 == 0 else reversed(range(len(runners)))
+            for i in order:
+                timings[i].append(runners[i].timed_run(work)[1])
+    finally:
+        for each in runners:
+            each.shutdown()
+    return timings[0], cold_s, timings[1] if half is not None else []
+
+
+def median_run(timings: list[dict]) -> dict:
+    return sorted(timings, key=lambda t: t["wall_s"])[len(timings) // 2]
 
 
 def run_hf(model: str, prompts: list[list[int]], outputs: list[int], repeats: int,
@@ -156,8 +178,10 @@ def main() -> None:
         prompts, outputs = workload(args.num_seqs, vocab_size, args.seed)
         warm = warmup_workload(args.num_seqs, vocab_size, args.seed)
         useful = sum(outputs)
-        times, timing, cold_tidal = run_tidal(model, prompts, outputs, args.tensor_parallel_size, args.repeats,
-                                              warm, cold=args.cold)
+        runs, cold_tidal, half_runs = run_tidal(model, (prompts, outputs), args.tensor_parallel_size, args.repeats,
+                                                warm, cold=args.cold, half=args.half)
+        times = [t["wall_s"] for t in runs]
+        timing = median_run(runs)
         t_tidal = statistics.median(times)
         tidal_tps = useful / t_tidal
         overhead = 1.0 - timing["forward_s"] / timing["wall_s"]
@@ -176,12 +200,13 @@ def main() -> None:
               f"sampling, and with tp > 1 the broadcast to the ranks and rank 0's reply): "
               f"{per_step * 1e3:.2f} ms")
         if args.half:
-            half_times, _, _ = run_tidal(model, prompts, outputs, args.tensor_parallel_size, args.repeats, warm,
-                                         dtype=args.half)
+            half_times = [t["wall_s"] for t in half_runs]
             t_half = statistics.median(half_times)
+            pairs = [a / b for a, b in zip(times, half_times)]
             print(f"tidal {args.half}: median {t_half:.2f} s, {useful / t_half:,.0f} output tokens/s  "
-                  f"(runs: {_runs(half_times)} s)")
-            print(f"ratio tidal {args.half} / float32: {t_tidal / t_half:.2f}x (medians)")
+                  f"(runs: {_runs(half_times)} s, alternating with float32's)")
+            print(f"ratio tidal {args.half} / float32: {t_tidal / t_half:.2f}x (medians); per pair of "
+                  f"neighbouring runs: {', '.join(f'{r:.2f}' for r in pairs)}")
         if not args.skip_hf:
             hf_times, cold_hf = run_hf(model, prompts, outputs, args.repeats, warm, cold=args.cold)
             t_hf = statistics.median(hf_times)
