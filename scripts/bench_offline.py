@@ -9,7 +9,7 @@ for count as useful output for both engines.
 Fairness: both engines first run an untimed warm-up workload of the same shape whose prompts
 share nothing with the timed ones, and tidal's prefix cache is reset before every timed
 repeat, so no timed prompt is ever a cache hit. Each engine is timed --repeats times (default 3) and the
-median is compared; every sample is printed. --half's runs alternate with float32's (see run_tidal).
+median is compared; every sample is printed. The engines' timed runs alternate (see run_engines).
 
     python scripts/bench_offline.py [--tensor-parallel-size 2] [--num-seqs 32] [--repeats 3] [--skip-hf]
                                     [--cold] [--half bfloat16|float16]
@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 
 def make_checkpoint(path: str) -> str:
@@ -86,75 +87,80 @@ class TidalRunner:
         self.llm.shutdown()
 
 
-def run_tidal(model: str, work: tuple[list[list[int]], list[int]], tp: int, repeats: int,
-              warm: tuple[list[list[int]], list[int]], cold: bool = False,
-              half: str | None = None) -> tuple[list[dict], float | None, list[dict]]:
-    """(float32 timings, the cold time or None, `half` timings). With `cold`, the first timed
-    run follows only COLD_WARMUP, as a new user's first batch would. With `half`, a second LLM
-    in that dtype is warmed up too and the timed runs alternate between the two, in pairs of
-    alternating order (ABBA...): this machine's speed drifts by more than the difference
-    between the dtypes over the minute one side's runs take."""
-    runner = TidalRunner(model, tp)
-    runners = [runner]
+class HFRunner:
+    """transformers `generate` on the same checkpoint, the batch as a user would run it."""
+
+    def __init__(self, model: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def generate(self, work: tuple[list[list[int]], list[int]]) -> float:
+        torch, pad = self.torch, 0
+        width = max(len(p) for p in work[0])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in work[0]])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work[0]])
+        new = max(work[1])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                   min_new_tokens=new, pad_token_id=pad)
+            elapsed = time.perf_counter() - t0
+        assert out.shape[1] == ids.shape[1] + new
+        return elapsed
+
+    def timed_run(self, work: tuple[list[list[int]], list[int]]) -> tuple[float, dict]:
+        elapsed = self.generate(work)
+        return elapsed, {"wall_s": elapsed}
+
+    def shutdown(self) -> None:
+        del self.hf
+
+
+def run_engines(factories: dict[str, Callable[[], TidalRunner | HFRunner]], work: tuple[list[list[int]], list[int]],
+                repeats: int, warm: tuple[list[list[int]], list[int]],
+                cold: bool) -> tuple[dict[str, list[dict]], dict[str, float]]:
+    """({engine: timings of its timed runs}, {engine: its cold time}, with `cold`).
+
+    Cold first: each engine, right after start-up, serves COLD_WARMUP and then the timed
+    workload, as a new user's first batch. Then each runs the warm-up workload, and the timed
+    runs alternate between the engines, the order reversed every round (ABBA...): this
+    machine's speed drifts by more than the differences measured over the minute one engine's
+    runs would take back to back."""
+    runners: dict[str, TidalRunner | HFRunner] = {}
+    colds: dict[str, float] = {}
     try:
-        cold_s = None
-        if cold:
-            runner.generate(COLD_WARMUP)
-            cold_s = runner.timed_run(work)[0]
-        runner.generate(warm)
-        if half is not None:
-            runners.append(TidalRunner(model, tp, dtype=half))
-            runners[1].generate(warm)
-        timings: list[list[dict]] = [[] for _ in runners]
+        for name, make in factories.items():
+            runners[name] = runner = make()
+            if cold:
+                runner.generate(COLD_WARMUP)
+                colds[name] = runner.timed_run(work)[0]
+        for runner in runners.values():
+            runner.generate(warm)
+        timings: dict[str, list[dict]] = {name: [] for name in runners}
+        names = list(runners)
         for r in range(repeats):
-            order = range(len(runners)) if r % 2 == 0 else reversed(range(len(runners)))
-            for i in order:
-                timings[i].append(runners[i].timed_run(work)[1])
+            for name in names if r % 2 == 0 else reversed(names):
+                timings[name].append(runners[name].timed_run(work)[1])
     finally:
-        for each in runners:
-            each.shutdown()
-    return timings[0], cold_s, timings[1] if half is not None else []
+        for runner in runners.values():
+            runner.shutdown()
+    return timings, colds
 
 
 def median_run(timings: list[dict]) -> dict:
     return sorted(timings, key=lambda t: t["wall_s"])[len(timings) // 2]
 
 
-def run_hf(model: str, prompts: list[list[int]], outputs: list[int], repeats: int,
-           warm: tuple[list[list[int]], list[int]], cold: bool = False) -> tuple[list[float], float | None]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    pad = 0
-
-    def batch(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in seqs)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in seqs])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in seqs])
-        return ids, mask
-
-    def gen(work: tuple[list[list[int]], list[int]]) -> float:
-        ids, mask = batch(work[0])
-        new = max(work[1])
-        t0 = time.perf_counter()
-        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                          min_new_tokens=new, pad_token_id=pad)
-        assert out.shape[1] == ids.shape[1] + new
-        return time.perf_counter() - t0
-
-    with torch.inference_mode():
-        cold_s = None
-        if cold:
-            gen(COLD_WARMUP)
-            cold_s = gen((prompts, outputs))
-        gen(warm)
-        times = [gen((prompts, outputs)) for _ in range(repeats)]
-    return times, cold_s
-
-
 def _runs(times: list[float]) -> str:
     return ", ".join(f"{t:.2f}" for t in times)
+
+
+def _ratios(slower: list[float], faster: list[float]) -> str:
+    """Speed-up per round (the runs of a round are neighbours in time)."""
+    return ", ".join(f"{a / b:.2f}" for a, b in zip(slower, faster))
 
 
 def main() -> None:
@@ -178,17 +184,23 @@ def main() -> None:
         prompts, outputs = workload(args.num_seqs, vocab_size, args.seed)
         warm = warmup_workload(args.num_seqs, vocab_size, args.seed)
         useful = sum(outputs)
-        runs, cold_tidal, half_runs = run_tidal(model, (prompts, outputs), args.tensor_parallel_size, args.repeats,
-                                                warm, cold=args.cold, half=args.half)
-        times = [t["wall_s"] for t in runs]
-        timing = median_run(runs)
+        factories: dict[str, Callable[[], TidalRunner | HFRunner]] = {
+            "tidal": lambda: TidalRunner(model, args.tensor_parallel_size)}
+        if args.half:
+            factories["half"] = lambda: TidalRunner(model, args.tensor_parallel_size, dtype=args.half)
+        if not args.skip_hf:
+            factories["hf"] = lambda: HFRunner(model)
+        timings, colds = run_engines(factories, (prompts, outputs), args.repeats, warm, args.cold)
+        times = [t["wall_s"] for t in timings["tidal"]]
+        timing = median_run(timings["tidal"])
         t_tidal = statistics.median(times)
         tidal_tps = useful / t_tidal
         overhead = 1.0 - timing["forward_s"] / timing["wall_s"]
         print(f"workload: {args.num_seqs} seqs, prompt tokens {sum(map(len, prompts))}, "
-              f"output tokens {useful} (U[16,256] / U[16,128], ignore_eos)")
-        if cold_tidal is not None:
-            print(f"tidal cold (after one 4-token request): {cold_tidal:.2f} s, {useful / cold_tidal:,.0f} output tokens/s")
+              f"output tokens {useful} (U[16,256] / U[16,128], ignore_eos); timed runs of the engines alternate")
+        if "tidal" in colds:
+            print(f"tidal cold (after one 4-token request): {colds['tidal']:.2f} s, "
+                  f"{useful / colds['tidal']:,.0f} output tokens/s")
         print(f"tidal LLM.generate (tp={args.tensor_parallel_size}): median {t_tidal:.2f} s, "
               f"{tidal_tps:,.0f} output tokens/s  (runs: {_runs(times)} s)")
         print(f"  engine overhead: {overhead:.1%} of wall time outside the model forward "
@@ -200,23 +212,23 @@ def main() -> None:
               f"sampling, and with tp > 1 the broadcast to the ranks and rank 0's reply): "
               f"{per_step * 1e3:.2f} ms")
         if args.half:
-            half_times = [t["wall_s"] for t in half_runs]
+            half_times = [t["wall_s"] for t in timings["half"]]
             t_half = statistics.median(half_times)
-            pairs = [a / b for a, b in zip(times, half_times)]
             print(f"tidal {args.half}: median {t_half:.2f} s, {useful / t_half:,.0f} output tokens/s  "
-                  f"(runs: {_runs(half_times)} s, alternating with float32's)")
-            print(f"ratio tidal {args.half} / float32: {t_tidal / t_half:.2f}x (medians); per pair of "
-                  f"neighbouring runs: {', '.join(f'{r:.2f}' for r in pairs)}")
+                  f"(runs: {_runs(half_times)} s)")
+            print(f"ratio tidal {args.half} / float32: {t_tidal / t_half:.2f}x (medians); per round: "
+                  f"{_ratios(times, half_times)}")
         if not args.skip_hf:
-            hf_times, cold_hf = run_hf(model, prompts, outputs, args.repeats, warm, cold=args.cold)
+            hf_times = [t["wall_s"] for t in timings["hf"]]
             t_hf = statistics.median(hf_times)
             hf_tps = useful / t_hf
-            if cold_tidal is not None and cold_hf is not None:
-                print(f"transformers cold (after one 4-token request): {cold_hf:.2f} s")
-                print(f"ratio tidal / transformers, cold: {cold_hf / cold_tidal:.2f}x")
+            if "hf" in colds:
+                print(f"transformers cold (after one 4-token request): {colds['hf']:.2f} s")
+                print(f"ratio tidal / transformers, cold: {colds['hf'] / colds['tidal']:.2f}x")
             print(f"transformers generate (left-padded batch): median {t_hf:.2f} s, {hf_tps:,.0f} useful "
                   f"output tokens/s  (runs: {_runs(hf_times)} s)")
-            print(f"ratio tidal / transformers: {tidal_tps / hf_tps:.2f}x (medians)")
+            print(f"ratio tidal / transformers: {tidal_tps / hf_tps:.2f}x (medians); per round: "
+                  f"{_ratios(hf_times, times)}")
     sys.stdout.flush()
 
 
