@@ -10,9 +10,11 @@ Fairness: both engines first run an untimed warm-up workload of the same shape w
 share nothing with the timed ones, and tidal's prefix cache is reset before every timed
 repeat, so no timed prompt is ever a cache hit. Each engine is timed --repeats times (default 3) and the
 median is compared; every sample is printed. The engines' timed runs alternate (see run_engines).
+--cold first times each engine freshly started, after one 4-token request, --cold-trials times
+each (see cold_trials).
 
     python scripts/bench_offline.py [--tensor-parallel-size 2] [--num-seqs 32] [--repeats 3] [--skip-hf]
-                                    [--cold] [--half bfloat16|float16]
+                                    [--cold [--cold-trials 3]] [--half bfloat16|float16]
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +55,7 @@ def warmup_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], lis
 
 
 COLD_WARMUP = ([[3, 11, 12, 13]], [4])  # --cold: one request, 4 prompt tokens, 4 output tokens
+_HF_COLD_TIMEOUT_S = 600
 
 
 class TidalRunner:
@@ -120,24 +124,15 @@ class HFRunner:
 
 
 def run_engines(factories: dict[str, Callable[[], TidalRunner | HFRunner]], work: tuple[list[list[int]], list[int]],
-                repeats: int, warm: tuple[list[list[int]], list[int]],
-                cold: bool) -> tuple[dict[str, list[dict]], dict[str, float]]:
-    """({engine: timings of its timed runs}, {engine: its cold time}, with `cold`).
-
-    Cold first: each engine, right after start-up, serves COLD_WARMUP and then the timed
-    workload, as a new user's first batch. Then each runs the warm-up workload, and the timed
-    runs alternate between the engines, the order reversed every round (ABBA...): this
+                repeats: int, warm: tuple[list[list[int]], list[int]]) -> dict[str, list[dict]]:
+    """{engine: timings of its timed runs}. Each engine runs the warm-up workload, then the
+    timed runs alternate between the engines, the order reversed every round (ABBA...): this
     machine's speed drifts by more than the differences measured over the minute one engine's
     runs would take back to back."""
     runners: dict[str, TidalRunner | HFRunner] = {}
-    colds: dict[str, float] = {}
     try:
         for name, make in factories.items():
             runners[name] = runner = make()
-            if cold:
-                runner.generate(COLD_WARMUP)
-                colds[name] = runner.timed_run(work)[0]
-        for runner in runners.values():
             runner.generate(warm)
         timings: dict[str, list[dict]] = {name: [] for name in runners}
         names = list(runners)
@@ -147,7 +142,47 @@ def run_engines(factories: dict[str, Callable[[], TidalRunner | HFRunner]], work
     finally:
         for runner in runners.values():
             runner.shutdown()
-    return timings, colds
+    return timings
+
+
+def cold_trials(model: str, work: tuple[list[list[int]], list[int]], tp: int, trials: int,
+                skip_hf: bool, seed: int) -> tuple[list[float], list[float]]:
+    """(tidal's cold times, transformers' cold times): in each trial a freshly started engine
+    serves COLD_WARMUP and then the timed workload, as a new user's first batch would. tidal
+    starts a new LLM (a new engine core) per trial; transformers runs in a new process per
+    trial (in this one, oneDNN's kernels from the last trial would still be built). The two
+    alternate, the order reversed every trial."""
+    tidal_s: list[float] = []
+    hf_s: list[float] = []
+
+    def tidal_cold() -> None:
+        runner = TidalRunner(model, tp)
+        try:
+            runner.generate(COLD_WARMUP)
+            tidal_s.append(runner.timed_run(work)[0])
+        finally:
+            runner.shutdown()
+
+    def hf_cold() -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--hf-cold-child", "--model", model,
+               "--num-seqs", str(len(work[0])), "--seed", str(seed)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=_HF_COLD_TIMEOUT_S).stdout
+        hf_s.append(json.loads(out.strip().splitlines()[-1])["cold_s"])
+
+    for t in range(trials):
+        order = [tidal_cold] + ([] if skip_hf else [hf_cold])
+        for run in order if t % 2 == 0 else reversed(order):
+            run()
+    return tidal_s, hf_s
+
+
+def hf_cold_child(model: str, num_seqs: int, seed: int) -> None:
+    """One transformers cold trial (see cold_trials), its time printed as a JSON line."""
+    with open(os.path.join(model, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    runner = HFRunner(model)
+    runner.generate(COLD_WARMUP)
+    print(json.dumps({"cold_s": runner.generate(workload(num_seqs, vocab_size, seed))}), flush=True)
 
 
 def median_run(timings: list[dict]) -> dict:
@@ -172,11 +207,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine; medians are compared")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cold", action="store_true",
-                    help="first time each engine after only a 4-token warm-up request (a new user's first batch), "
-                         "then warm up and time as usual")
+                    help="first time each engine, freshly started, after only a 4-token warm-up request (a new "
+                         "user's first batch), then warm up and time as usual")
+    ap.add_argument("--cold-trials", type=int, default=1,
+                    help="with --cold: fresh starts per engine (alternating); medians are compared")
+    ap.add_argument("--hf-cold-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--half", choices=("bfloat16", "float16"), default=None,
                     help="also run tidal with this weight/KV dtype and compare with its float32 run")
     args = ap.parse_args()
+    if args.hf_cold_child:
+        hf_cold_child(args.model, args.num_seqs, args.seed)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_checkpoint(os.path.join(tmp, "qwen3-20m"))
         with open(os.path.join(model, "config.json")) as f:
@@ -190,7 +231,9 @@ def main() -> None:
             factories["half"] = lambda: TidalRunner(model, args.tensor_parallel_size, dtype=args.half)
         if not args.skip_hf:
             factories["hf"] = lambda: HFRunner(model)
-        timings, colds = run_engines(factories, (prompts, outputs), args.repeats, warm, args.cold)
+        cold_tidal, cold_hf = (cold_trials(model, (prompts, outputs), args.tensor_parallel_size, args.cold_trials,
+                                           args.skip_hf, args.seed) if args.cold else ([], []))
+        timings = run_engines(factories, (prompts, outputs), args.repeats, warm)
         times = [t["wall_s"] for t in timings["tidal"]]
         timing = median_run(timings["tidal"])
         t_tidal = statistics.median(times)
@@ -198,9 +241,10 @@ def main() -> None:
         overhead = 1.0 - timing["forward_s"] / timing["wall_s"]
         print(f"workload: {args.num_seqs} seqs, prompt tokens {sum(map(len, prompts))}, "
               f"output tokens {useful} (U[16,256] / U[16,128], ignore_eos); timed runs of the engines alternate")
-        if "tidal" in colds:
-            print(f"tidal cold (after one 4-token request): {colds['tidal']:.2f} s, "
-                  f"{useful / colds['tidal']:,.0f} output tokens/s")
+        if cold_tidal:
+            t_cold = statistics.median(cold_tidal)
+            print(f"tidal cold (fresh start, one 4-token request first): median {t_cold:.2f} s, "
+                  f"{useful / t_cold:,.0f} output tokens/s  (trials: {_runs(cold_tidal)} s)")
         print(f"tidal LLM.generate (tp={args.tensor_parallel_size}): median {t_tidal:.2f} s, "
               f"{tidal_tps:,.0f} output tokens/s  (runs: {_runs(times)} s)")
         print(f"  engine overhead: {overhead:.1%} of wall time outside the model forward "
@@ -222,9 +266,11 @@ def main() -> None:
             hf_times = [t["wall_s"] for t in timings["hf"]]
             t_hf = statistics.median(hf_times)
             hf_tps = useful / t_hf
-            if "hf" in colds:
-                print(f"transformers cold (after one 4-token request): {colds['hf']:.2f} s")
-                print(f"ratio tidal / transformers, cold: {colds['hf'] / colds['tidal']:.2f}x")
+            if cold_hf:
+                print(f"transformers cold (fresh process, one 4-token request first): median "
+                      f"{statistics.median(cold_hf):.2f} s  (trials: {_runs(cold_hf)} s)")
+                print(f"ratio tidal / transformers, cold: {statistics.median(cold_hf) / statistics.median(cold_tidal):.2f}x "
+                      f"(medians); per trial: {_ratios(cold_hf, cold_tidal)}")
             print(f"transformers generate (left-padded batch): median {t_hf:.2f} s, {hf_tps:,.0f} useful "
                   f"output tokens/s  (runs: {_runs(hf_times)} s)")
             print(f"ratio tidal / transformers: {tidal_tps / hf_tps:.2f}x (medians); per round: "
