@@ -7,9 +7,10 @@ Invariants:
 - A block of `blocks` is in the free queue iff its `ref_cnt == 0`. The queue is ordered by the
   time the block was freed: `get_new_blocks` takes a never-used block while any is left, then
   the least-recently-freed one (the prefix cache's LRU eviction) -- exactly the order of one
-  queue that starts with every block in id order. Without prefix caching (`reuse_latest_first`) it takes the most
-  recently freed block first instead (before any never-used one): nothing cached is lost either way, and the same few
-  blocks serve request after request. Cycling through the whole pool instead would touch
+  queue that starts with every block in id order. Without prefix caching
+  (`reuse_latest_first`) it takes the most recently freed block first instead (before any
+  never-used one): nothing cached is lost either way, and the same few blocks serve request
+  after request. Cycling through the whole pool instead would touch
   every page of the KV cache tensors in turn (zero-filled lazily by the OS), and the core's
   RSS would creep up by ~one block per request until the whole cache is resident.
 - A free block keeps its `block_hash` (and its entry in the hash map) until it is handed out

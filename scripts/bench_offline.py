@@ -269,8 +269,9 @@ def main() -> None:
             if cold_hf:
                 print(f"transformers cold (fresh process, one 4-token request first): median "
                       f"{statistics.median(cold_hf):.2f} s  (trials: {_runs(cold_hf)} s)")
-                print(f"ratio tidal / transformers, cold: {statistics.median(cold_hf) / statistics.median(cold_tidal):.2f}x "
-                      f"(medians); per trial: {_ratios(cold_hf, cold_tidal)}")
+                cold_ratio = statistics.median(cold_hf) / statistics.median(cold_tidal)
+                print(f"ratio tidal / transformers, cold: {cold_ratio:.2f}x (medians); per trial: "
+                      f"{_ratios(cold_hf, cold_tidal)}")
             print(f"transformers generate (left-padded batch): median {t_hf:.2f} s, {hf_tps:,.0f} useful "
                   f"output tokens/s  (runs: {_runs(hf_times)} s)")
             print(f"ratio tidal / transformers: {tidal_tps / hf_tps:.2f}x (medians); per round: "
