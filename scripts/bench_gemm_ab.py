@@ -1,0 +1,105 @@
+"""A/B of two versions of the panel GEMM (worker/csrc/gemm_panels.c) in one run.
+
+This machine's speed drifts by 10-50% over minutes, more than most kernel changes are worth,
+so two builds measured in separate runs cannot be compared. This script builds both versions
+with tidal's own compiler flags, loads both, and times them call for call, alternating which
+goes first, on the bench_offline model's shapes with the weights cycled from DRAM (as a decode
+step reads them). Both must give bit-identical outputs. It prints the median per call and the
+speed-up of B over A.
+
+    python scripts/bench_gemm_ab.py                        # A: HEAD's gemm_panels.c, B: the working tree's
+    python scripts/bench_gemm_ab.py --a-rev HEAD~3 --dtype bfloat16 --rows 1 4 8 16 32
+    python scripts/bench_gemm_ab.py --a-file old.c --b-file new.c
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+_SRC = "worker/csrc/gemm_panels.c"
+_SHAPES = ((1024, 512), (512, 512), (3072, 512), (512, 1536), (8192, 512))  # qkv, o, gate_up, down, lm_head
+_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}  # gemm_panels.c's W_F32, W_F16, W_BF16
+_WEIGHT_BYTES = 128 << 20  # cycled per shape: well past this machine's 32 MiB L3
+
+
+def build(source_text: str, out_dir: str, name: str) -> ctypes.CDLL:
+    from tidal.worker import cpu_kernels
+
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker", "csrc")
+    src = os.path.join(out_dir, f"{name}.c")
+    with open(src, "w") as f:
+        f.write(source_text)
+    lib = os.path.join(out_dir, f"{name}.so")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    subprocess.run([*shlex.split(cc), *cpu_kernels._FLAGS, f"-I{csrc}", src, "-o", lib, "-lm"], check=True,
+                   timeout=120)
+    dll = ctypes.CDLL(lib)
+    dll.tidal_gemm_panels.restype = ctypes.c_int
+    dll.tidal_gemm_panels.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_int]
+    return dll
+
+
+def source(rev: str | None, path: str | None) -> str:
+    if path is not None:
+        with open(path) as f:
+            return f.read()
+    if rev is None:
+        with open(_SRC) as f:
+            return f.read()
+    return subprocess.run(["git", "show", f"{rev}:{_SRC}"], check=True, capture_output=True, text=True,
+                          timeout=30).stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--a-rev", default="HEAD", help="git revision of A (default HEAD)")
+    ap.add_argument("--a-file", default=None, help="A from this file instead")
+    ap.add_argument("--b-file", default=None, help="B from this file (default: the working tree's)")
+    ap.add_argument("--dtype", choices=sorted(_KINDS), default="float32", help="the packed weights' dtype")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per version, shape and row count")
+    args = ap.parse_args()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tidal.worker.panel_gemm import pack_weight
+
+    dtype, kind = getattr(torch, args.dtype), _KINDS[args.dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"A": build(source(args.a_rev, args.a_file), tmp, "a"), "B": build(source(None, args.b_file), tmp, "b")}
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype} panels; "
+              f"A = {args.a_file or args.a_rev}, B = {args.b_file or 'working tree'}")
+        torch.manual_seed(0)
+        for n, k in _SHAPES:
+            weights = [pack_weight(torch.randn(n, k), dtype) for _ in range(max(4, _WEIGHT_BYTES // (n * k * 4)))]
+            for m in args.rows:
+                x = torch.randn(m, k)
+                outs = {name: torch.empty(m, n) for name in libs}
+                times: dict[str, list[float]] = {name: [] for name in libs}
+                for call in range(args.calls):
+                    w = weights[call % len(weights)]
+                    for name in ("A", "B") if call % 2 == 0 else ("B", "A"):
+                        t0 = time.perf_counter()
+                        rc = libs[name].tidal_gemm_panels(x.data_ptr(), k, w.data_ptr(), None, outs[name].data_ptr(),
+                                                          n, m, n, k, kind)
+                        times[name].append(time.perf_counter() - t0)
+                        assert rc == 0, rc
+                if not torch.equal(outs["A"], outs["B"]):
+                    sys.exit(f"N={n} K={k} M={m}: A and B give different outputs")
+                a, b = (statistics.median(times[name]) * 1e6 for name in ("A", "B"))
+                print(f"  N={n:5d} K={k:5d} M={m:4d}   A {a:9.1f} us   B {b:9.1f} us   B speed-up {a / b:.2f}x",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
