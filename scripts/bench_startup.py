@@ -11,7 +11,7 @@ Warm disk, as a user's second run: one untimed sample first, and the children ke
 bytecode cache on (PYTHONDONTWRITEBYTECODE dropped; --no-bytecode-cache keeps it as set) --
 without .pyc files each process compiles tidal's sources again, ~0.1 s per process.
 
-    python scripts/bench_startup.py [--repeats 3] [--model DIR]
+    python scripts/bench_startup.py [--repeats 3] [--model DIR] [--no-bytecode-cache]
 """
 from __future__ import annotations
 
