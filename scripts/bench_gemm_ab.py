@@ -70,8 +70,16 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(_KINDS), default="float32", help="the packed weights' dtype")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
     ap.add_argument("--calls", type=int, default=200, help="timed calls per version, shape and row count")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="idle time before each call, as the Python between a model's GEMMs (with tidal's "
+                         "GOMP_SPINCOUNT=3000 the OpenMP threads fall asleep in it and must be woken)")
     args = ap.parse_args()
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        # As tidal's engine processes run (protocol/utils.py). libgomp reads it when it loads,
+        # which `import torch` above has done: start again with it set.
+        os.environ["GOMP_SPINCOUNT"] = "3000"
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
     from tidal.worker.panel_gemm import pack_weight
 
     dtype, kind = getattr(torch, args.dtype), _KINDS[args.dtype]
@@ -89,6 +97,8 @@ def main() -> None:
                 for call in range(args.calls):
                     w = weights[call % len(weights)]
                     for name in ("A", "B") if call % 2 == 0 else ("B", "A"):
+                        if args.gap_us:
+                            time.sleep(args.gap_us * 1e-6)
                         t0 = time.perf_counter()
                         rc = libs[name].tidal_gemm_panels(x.data_ptr(), k, w.data_ptr(), None, outs[name].data_ptr(),
                                                           n, m, n, k, kind)
