@@ -1,16 +1,11 @@
 """Paged KV blocks with ref counts, an LRU free queue and a prefix-cache index (vLLM V1).
 
 Invariants:
-- `blocks[i].block_id == i`. A block becomes an object the first time it is handed out; the
-  never-used ones, `blocks[len(blocks):]`, are free and count as such (a pool of 2 GiB holds
-  ~10^5 blocks: building them all up front cost ~0.15 s of start-up).
-- A block of `blocks` is in the free queue iff its `ref_cnt == 0`. The queue is ordered by the
-  time the block was freed: `get_new_blocks` takes a never-used block while any is left, then
-  the least-recently-freed one (the prefix cache's LRU eviction) -- exactly the order of one
-  queue that starts with every block in id order. Without prefix caching
-  (`reuse_latest_first`) it takes the most recently freed block first instead (before any
-  never-used one): nothing cached is lost either way, and the same few blocks serve request
-  after request. Cycling through the whole pool instead would touch
+- A block is in the free queue iff its `ref_cnt == 0`. The queue is ordered by the time the
+  block was freed: `get_new_blocks` takes the least-recently-freed block first (the prefix
+  cache's LRU eviction). Without prefix caching (`reuse_latest_first`) it takes the most
+  recently freed block first instead: nothing cached is lost either way, and the same few
+  blocks serve request after request. Cycling through the whole pool instead would touch
   every page of the KV cache tensors in turn (zero-filled lazily by the OS), and the core's
   RSS would creep up by ~one block per request until the whole cache is resident.
 - A free block keeps its `block_hash` (and its entry in the hash map) until it is handed out
@@ -60,25 +55,29 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
         self.num_blocks: int = num_blocks
         self.reuse_latest_first: bool = reuse_latest_first  # see the invariants
-        self.blocks: list[KVCacheBlock] = []  # handed out at least once (see the invariants)
-        # block_id -> freed block, in least-recently-freed-first order (front is reused first).
-        self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
+        # Every block up front (~1 us each), before the core's gc.freeze(): blocks made later
+        # would be walked by every full GC pass of the busy loop, 10^5 of them ~5 ms a pass.
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block, in least-recently-freed-first order (front is reused first).
+        self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     # ------------------------------------------------------------------ queries
 
     def get_num_free_blocks(self) -> int:
-        return len(self.free_block_queue) + self.num_blocks - len(self.blocks)
+        return len(self.free_block_queue)
 
     def get_usage(self) -> float:
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        return 1.0 - len(self.free_block_queue) / self.num_blocks
 
     def ref_counts(self) -> list[int]:
         """Every block's reference count, by block id (for checks and debugging)."""
-        return [b.ref_cnt for b in self.blocks] + [0] * (self.num_blocks - len(self.blocks))
+        return [b.ref_cnt for b in self.blocks]
 
     def free_block_ids(self) -> set[int]:
-        return set(self.free_block_queue) | set(range(len(self.blocks), self.num_blocks))
+        return set(self.free_block_queue)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -87,18 +86,13 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` free blocks (LRU first), evicting any cached prefix they hold."""
-        free = self.get_num_free_blocks()
-        if num_blocks > free:
-            raise ValueError(f"cannot get {num_blocks} free blocks, {free} left")
-        queue, blocks = self.free_block_queue, self.blocks
+        if num_blocks > len(self.free_block_queue):
+            raise ValueError(f"cannot get {num_blocks} free blocks, {len(self.free_block_queue)} left")
+        queue = self.free_block_queue
         out: list[KVCacheBlock] = []
         for _ in range(num_blocks):
-            if queue and (self.reuse_latest_first or len(blocks) == self.num_blocks):
-                _, block = queue.popitem(last=False)
-                self._maybe_evict_cached_block(block)
-            else:
-                block = KVCacheBlock(len(blocks))
-                blocks.append(block)
+            _, block = queue.popitem(last=False)
+            self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -145,7 +139,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Only when no block is in use (as vLLM); else False."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if len(self.free_block_queue) != self.num_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:

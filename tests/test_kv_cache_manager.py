@@ -233,9 +233,9 @@ def test_reset_prefix_cache() -> None:
     assert all(b.block_hash is None for b in kv.block_pool.blocks)
 
 
-class _EagerPool:
-    """Reference: one queue holding every block from the start, in id order (the pool before
-    blocks were made lazily); freed ids join its tail, or its front when reusing latest first."""
+class _ReferencePool:
+    """Reference: a plain list as the free queue, every block in it from the start in id order;
+    freed ids join its tail, or its front when reusing latest first."""
 
     def __init__(self, num_blocks: int, reuse_latest_first: bool) -> None:
         self.queue = list(range(num_blocks))
@@ -264,14 +264,14 @@ class _EagerPool:
                     self.queue.append(i)
 
 
-def test_lazy_blocks_hand_out_the_eager_order() -> None:
-    """Blocks made on first use hand out exactly the ids one eager queue would, under random
-    allocation, touches of held or free blocks, and frees, in both reuse orders."""
+def test_pool_hands_out_the_reference_order() -> None:
+    """The pool hands out exactly the ids a plain list queue would, under random allocation,
+    touches of held or free blocks, and frees, in both reuse orders."""
     import random
 
     for reuse_latest_first in (False, True):
         rng = random.Random(7 + reuse_latest_first)
-        pool, ref = BlockPool(40, reuse_latest_first=reuse_latest_first), _EagerPool(40, reuse_latest_first)
+        pool, ref = BlockPool(40, reuse_latest_first=reuse_latest_first), _ReferencePool(40, reuse_latest_first)
         held: list[list[int]] = []
         for _ in range(400):
             op = rng.random()
