@@ -44,7 +44,7 @@ from tidal.protocol.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
-from tidal.protocol.utils import summarize_exception
+from tidal.protocol.utils import max_step_tokens, summarize_exception
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +113,10 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, num_kv_blocks: int, max_model_len: int) -> "Scheduler":
-        budget = cfg.max_num_batched_tokens
-        if not cfg.enable_chunked_prefill:
-            budget = max(budget, max_model_len)  # a whole prompt must fit one step (as vLLM)
         return cls(
             max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=budget,
+            max_num_batched_tokens=max_step_tokens(cfg.max_num_batched_tokens, max_model_len,
+                                                   cfg.enable_chunked_prefill),
             block_size=cfg.block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len,

@@ -57,6 +57,12 @@ def max_useful_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int)
     return max_num_seqs * cdiv(max_model_len, block_size) + 1
 
 
+def max_step_tokens(max_num_batched_tokens: int, max_model_len: int, enable_chunked_prefill: bool) -> int:
+    """The most tokens one step can schedule: without chunked prefill a whole max_model_len
+    prompt must fit one step (as vLLM). The scheduler's budget and the runner's buffers."""
+    return max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, max_model_len)
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 

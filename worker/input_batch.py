@@ -159,14 +159,9 @@ class InputBatch:
 
     # ------------------------------------------------------------------ per-request rows
     def _check(self, block_ids: list[int]) -> None:
-        nb = self.num_blocks
-        if len(block_ids) <= 4:
-            for b in block_ids:
-                if b < 0 or (nb is not None and b >= nb):
-                    raise ValueError(f"block id {b} is outside the KV cache ({nb} blocks)")
+        if not block_ids:
             return
-        ids = np.asarray(block_ids)
-        lo, hi = int(ids.min()), int(ids.max())
+        nb, lo, hi = self.num_blocks, min(block_ids), max(block_ids)  # builtins beat numpy at every size
         if lo < 0 or (nb is not None and hi >= nb):
             raise ValueError(f"block id {lo if lo < 0 else hi} is outside the KV cache ({nb} blocks)")
 

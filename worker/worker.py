@@ -12,7 +12,8 @@ import torch
 
 from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
-from tidal.protocol.utils import kv_blocks_for_budget, kv_cache_budget_from_memory, threads_per_rank
+from tidal.protocol.utils import (kv_blocks_for_budget, kv_cache_budget_from_memory, max_step_tokens,
+                                  threads_per_rank)
 from tidal.worker.hf_config import load_hf_config
 from tidal.worker.layers.gemm import warm_up_gemm_buckets
 from tidal.worker.startup_timer import StartupTimer
@@ -138,12 +139,8 @@ class Worker:
         return budget
 
     def _max_step_tokens(self) -> int:
-        """The most tokens one step can schedule (as Scheduler.from_config: without chunked
-        prefill a whole max_model_len prompt must fit one step)."""
         cfg = self.config
-        if cfg.enable_chunked_prefill:
-            return cfg.max_num_batched_tokens
-        return max(cfg.max_num_batched_tokens, self.max_model_len)
+        return max_step_tokens(cfg.max_num_batched_tokens, self.max_model_len, cfg.enable_chunked_prefill)
 
     @torch.inference_mode()
     def _profile_peak_activation(self) -> int:
