@@ -196,7 +196,7 @@ def apply_token_bitmask_by_shifts(x: torch.Tensor, words: np.ndarray, rows: list
     runs it: the tests check it on CPU against the CPU path)."""
     V = x.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
-    bits = torch.from_numpy(np.ascontiguousarray(words, dtype="<i4")).to(x.device, non_blocking=True)
+    bits = device_tensor(np.ascontiguousarray(words, dtype="<i4"), torch.int32, x.device)
     allowed = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)  # [R, 32 * words]
     if allowed.shape[1] < V:
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))

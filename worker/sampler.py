@@ -115,7 +115,8 @@ class SamplingMetadata:
             return None if all(v == off for v in values) else device_tensor(values, dtype, device)
 
         # Truncation cannot change an argmax, so greedy rows count as "off" whatever they carry.
-        top_k = opt([0 if g else p.top_k for p, g in zip(params, greedy)], 0, torch.int64)
+        top_ks = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        top_k = opt(top_ks, 0, torch.int64)
         top_p = opt([1.0 if g else p.top_p for p, g in zip(params, greedy)], 1.0, torch.float32)
         min_p = opt([0.0 if g else p.min_p for p, g in zip(params, greedy)], 0.0, torch.float32)
         pres = opt([p.presence_penalty for p in params], 0.0, torch.float32)
@@ -147,7 +148,7 @@ class SamplingMetadata:
             prompt_token_ids=prompts, output_token_ids=output_token_ids, min_tokens=min_tokens,
             max_num_logprobs=max(ks) if ks else None,
             token_rules=TokenRules.build(params, output_token_ids, device), logprobs_mode=logprobs_mode,
-            max_top_k=0 if top_k is None else max(0 if g else p.top_k for p, g in zip(params, greedy)),
+            max_top_k=0 if top_k is None else max(top_ks),
             random_rows=None if random_rows is None else device_tensor(random_rows, torch.long, device))
 
 
@@ -368,12 +369,13 @@ class Sampler(nn.Module):
         csum = cand.cumsum(-1)
         # Mass min-p/top-k kept: top-k rows from the candidates, others from the whole row, summed
         # by blocks (a lone [1, V] row sum is split over threads: its rounding would hang on B).
-        z = _block_reduce(w, self.block_size, "sum").double().sum(-1)
+        w_z = w
         if min_p is not None and self._sync_free(w):  # all rows, no nonzero (a host sync)
-            wm = torch.where(w >= min_p[:, None], w, 0.0)
-            zm = _block_reduce(wm, self.block_size, "sum").double().sum(-1)
-            z = torch.where((min_p > 0) & ~has_k & active, zm, z)
+            # One pass: min-p rows sum what min-p kept, the others their whole row.
+            use = ((min_p > 0) & ~has_k & active)[:, None]
+            w_z = torch.where(use & ~(w >= min_p[:, None]), 0.0, w)
             min_p = None
+        z = _block_reduce(w_z, self.block_size, "sum").double().sum(-1)
         rows = None if min_p is None else ((min_p > 0) & ~has_k & active).nonzero().squeeze(1)
         if rows is not None and rows.numel():
             wm = w.index_select(0, rows)
