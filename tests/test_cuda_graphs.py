@@ -63,6 +63,8 @@ def test_capture_sizes_examples_and_overrides() -> None:
     # A user's list replaces the grid: sorted, deduplicated, within [1, cap].
     assert capture_sizes(64, [16, 1, 8, 8, 128, 0, 64]) == [1, 8, 16, 64]
     assert capture_sizes(64, []) == []
+    # Sizes above the cap (max_cudagraph_capture_size's grid beyond max_num_seqs) become the cap.
+    assert capture_sizes(100, [1, 2, 4, *range(8, 513, 8)])[-2:] == [96, 100]
 
 
 def test_padded_size() -> None:

@@ -36,10 +36,12 @@ def capture_sizes(max_num_seqs: int, override: list[int] | None = None,
                   max_num_tokens: int | None = None) -> list[int]:
     """The batch sizes to capture, ascending: vLLM's grid (cuda_graph_capture_sizes) capped
     at max_num_seqs and at max_num_tokens (the token buffers' size). `override` (the engine's
-    cuda_graph_sizes) replaces the grid; its sizes above the cap are dropped."""
+    cuda_graph_sizes) replaces the grid; a size above the cap becomes the cap, as vLLM pads such
+    batches to its larger size (max_cudagraph_capture_size=512 with max_num_seqs=100 captures up
+    to 100, not to the grid's 96, which would leave batches of 97-100 eager)."""
     cap = max_num_seqs if max_num_tokens is None else min(max_num_seqs, max_num_tokens)
     if override is not None:
-        return sorted({int(s) for s in override if 1 <= int(s) <= cap})
+        return sorted({min(int(s), cap) for s in override if int(s) >= 1 and cap >= 1})
     return cuda_graph_capture_sizes(cap)
 
 
