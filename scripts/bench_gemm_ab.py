@@ -26,40 +26,54 @@ import time
 
 import torch
 
-_SRC = "worker/csrc/gemm_panels.c"
+_CSRC = "worker/csrc"
 _SHAPES = ((1024, 512), (512, 512), (3072, 512), (512, 1536), (8192, 512))  # qkv, o, gate_up, down, lm_head
 _KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}  # gemm_panels.c's W_F32, W_F16, W_BF16
 _WEIGHT_BYTES = 128 << 20  # cycled per shape: well past this machine's 32 MiB L3
 
 
-def build(source_text: str, out_dir: str, name: str) -> ctypes.CDLL:
+def build(sources: dict[str, str], out_dir: str) -> ctypes.CDLL:
+    """Compile gemm_panels.c with the headers of the same version (`sources`: file name ->
+    text) in `out_dir`, with tidal's flags, and type its entry point as tidal does."""
     from tidal.worker import cpu_kernels
 
-    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker", "csrc")
-    src = os.path.join(out_dir, f"{name}.c")
-    with open(src, "w") as f:
-        f.write(source_text)
-    lib = os.path.join(out_dir, f"{name}.so")
+    os.makedirs(out_dir)
+    for name, text in sources.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+    lib = os.path.join(out_dir, "gemm_panels.so")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
-    subprocess.run([*shlex.split(cc), *cpu_kernels._FLAGS, f"-I{csrc}", src, "-o", lib, "-lm"], check=True,
-                   timeout=120)
+    subprocess.run([*shlex.split(cc), *cpu_kernels._FLAGS, os.path.join(out_dir, "gemm_panels.c"), "-o", lib,
+                    "-lm"], check=True, timeout=120)
     dll = ctypes.CDLL(lib)
-    dll.tidal_gemm_panels.restype = ctypes.c_int
-    dll.tidal_gemm_panels.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                      ctypes.c_int64, ctypes.c_int]
+    restype, argtypes = cpu_kernels._SIGNATURES["tidal_gemm_panels"]
+    dll.tidal_gemm_panels.restype, dll.tidal_gemm_panels.argtypes = restype, argtypes
     return dll
 
 
-def source(rev: str | None, path: str | None) -> str:
+def sources(rev: str | None, path: str | None) -> dict[str, str]:
+    """gemm_panels.c (from `path`, git revision `rev`, or the working tree) and the headers of
+    worker/csrc at the same revision (the working tree's for a file or the working tree)."""
+    def read(name: str) -> str:
+        if rev is None:
+            with open(os.path.join(_CSRC, name)) as f:
+                return f.read()
+        return subprocess.run(["git", "show", f"{rev}:{_CSRC}/{name}"], check=True, capture_output=True,
+                              text=True, timeout=30).stdout
+
+    if rev is None:
+        headers = [n for n in os.listdir(_CSRC) if n.endswith(".h")]
+    else:
+        listing = subprocess.run(["git", "ls-tree", "--name-only", rev, f"{_CSRC}/"], check=True,
+                                 capture_output=True, text=True, timeout=30).stdout
+        headers = [os.path.basename(n) for n in listing.split() if n.endswith(".h")]
+    out = {name: read(name) for name in headers}
     if path is not None:
         with open(path) as f:
-            return f.read()
-    if rev is None:
-        with open(_SRC) as f:
-            return f.read()
-    return subprocess.run(["git", "show", f"{rev}:{_SRC}"], check=True, capture_output=True, text=True,
-                          timeout=30).stdout
+            out["gemm_panels.c"] = f.read()
+    else:
+        out["gemm_panels.c"] = read("gemm_panels.c")
+    return out
 
 
 def main() -> None:
@@ -84,7 +98,9 @@ def main() -> None:
 
     dtype, kind = getattr(torch, args.dtype), _KINDS[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"A": build(source(args.a_rev, args.a_file), tmp, "a"), "B": build(source(None, args.b_file), tmp, "b")}
+        a_rev = None if args.a_file is not None else args.a_rev
+        libs = {"A": build(sources(a_rev, args.a_file), os.path.join(tmp, "a")),
+                "B": build(sources(None, args.b_file), os.path.join(tmp, "b"))}
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype} panels; "
               f"A = {args.a_file or args.a_rev}, B = {args.b_file or 'working tree'}")
         torch.manual_seed(0)
