@@ -68,12 +68,17 @@ class _Shutdown(BaseException):
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, address: str, *, error_file: str | None = None,
                  freeze_gc: bool = False, key_file: str | None = None, drain: Drain | None = None) -> None:
-        """freeze_gc: gc.freeze() once the engine is up and has answered its first input (only
-        when this process is the core).
+        """freeze_gc: no automatic GC while the engine starts, gc.freeze() once it is up and has
+        answered its first input (only when this process is the core).
         key_file: CURVE key file (required to bind off loopback). drain: SIGTERM drains first."""
         self.config = config
         self.drain = drain
         self.freeze_gc = freeze_gc
+        if freeze_gc:
+            # Start-up allocates ~10^5 long-lived objects (torch, the model, a block per KV
+            # block); each burst set off full collections over everything so far (~0.1 s) for
+            # nothing: they all live as long as the process. _freeze_gc turns it back on.
+            gc.disable()
         self.error_file = error_file
         self.input_queue: "queue.SimpleQueue[InputItem]" = queue.SimpleQueue()
         self.engine: Any = None  # EngineCore once started
@@ -170,13 +175,13 @@ class EngineCoreProc:
         """Everything allocated at start-up (torch, the model, the block pool) lives as long as
         the process: keep it out of every future GC pass, which would otherwise walk it again
         and again and cost the busy loop milliseconds per step (vLLM's core does the same).
-        Done after the first input (the front-end's handshake). Only the young generations
-        are collected first: a full collect here finds ~10 cyclic objects among ~170,000 and
-        holds the GIL for ~0.1 s -- long enough to keep the IO thread from sending the
-        handshake's answer, so every `LLM()` waited for it."""
+        Done after the first input (the front-end's handshake), with no collect first: one
+        finds ~10 cyclic objects among ~170,000 and holds the GIL for ~0.1 s -- long enough to
+        keep the IO thread from sending the handshake's answer, so every `LLM()` waited for it.
+        Automatic GC was off since start-up (see __init__); it is back on from here."""
         self.freeze_gc = False
-        gc.collect(1)
         gc.freeze()
+        gc.enable()
 
     def _step(self) -> None:
         for identity, outputs in self.engine.step().items():
