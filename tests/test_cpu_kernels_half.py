@@ -58,6 +58,29 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> Non
         assert torch.equal(hg.panel_linear(x[lo:hi], packed, n, k, bias), whole[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=["f32", "fp16", "bf16"])
+def test_panel_linear_does_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
+    """Bit-identical results with 1 thread and with more threads than cores (threads lose their
+    core mid-region, so tasks are taken from the back of others' spans, see work_share.h), also
+    with more threads than tasks (spans that own nothing)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 1000, 520  # 63 panels: 16 panel groups; 200 rows: 3 row blocks at this K
+    weight, bias = torch.randn(n, k, generator=gen) * 0.1, torch.randn(n, generator=gen)
+    packed = hg.pack_weight(weight, dtype)
+    x = torch.randn(200, k, generator=gen)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [hg.panel_linear(x[:m], packed, n, k, bias) for m in (1, 8, 200)]
+        for threads in (2, 3, 7, 64):
+            torch.set_num_threads(threads)
+            for _ in range(3):
+                got = [hg.panel_linear(x[:m], packed, n, k, bias) for m in (1, 8, 200)]
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), threads
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_panel_linear_edge_shapes_and_errors() -> None:
     w = torch.randn(20, 8)
     packed = hg.pack_weight(w, torch.float16)

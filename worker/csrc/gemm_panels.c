@@ -24,7 +24,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <omp.h>
+
 #include "vec_math.h"
+#include "work_share.h"
 
 #define NR 16
 #define MR 6
@@ -215,50 +218,59 @@ static inline void tile_at(int kind, int64_t mr, int np, const float *x, int64_t
         run_tile(mr, np, W_F32, x + i * xs, xs, wp, panel_elems, k, o, os, cols, bp, pf);
 }
 
-static void gemm(const float *x, int64_t xs, const void *w, const float *bias, float *out, int64_t os, int64_t m,
-                 int64_t n, int64_t k, int kind) {
+/* Task (mb, g) of gemm: x rows of block mb (of mblocks equal ones) times the panels of group g. */
+static void gemm_task(const float *x, int64_t xs, const void *w, const float *bias, float *out, int64_t os, int64_t m,
+                      int64_t n, int64_t k, int kind, int64_t mb, int64_t mblocks, int64_t g) {
     const int64_t panels = (n + NR - 1) / NR, full_panels = n / NR;
-    const int64_t groups = (panels + PANEL_GROUP - 1) / PANEL_GROUP;
-    const int64_t mblocks = (m + rows_per_block(k) - 1) / rows_per_block(k);
     const int64_t panel_elems = k * NR, panel_bytes = panel_elems * w_elt_size(kind);
-    /* Bound by reading the weight for few rows: worth a second thread from ~64 KiB of it on. */
-#pragma omp parallel for schedule(static) collapse(2) if (panels * k >= 2048)
-    for (int64_t mb = 0; mb < mblocks; ++mb) {
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t m0 = m * mb / mblocks, rows = m * (mb + 1) / mblocks - m0; /* equal blocks */
-            const int64_t tiles = (rows + MR - 1) / MR;
-            const int64_t p_end = (g + 1) * PANEL_GROUP < panels ? (g + 1) * PANEL_GROUP : panels;
-            if (panels_per_tile(rows / tiles) == 1) {
-                /* Tiles of 4+ rows, one panel at a time: panel outer, tiles inner, so the panel
-                 * stays in L1 / L2 while every tile of the block passes over it. */
-                for (int64_t p = g * PANEL_GROUP; p < p_end; ++p) {
-                    /* Tile t asks for its share of the next panel's lines (the next one this
-                     * thread runs, but for the last of its share), spread over its k loop. */
-                    const int64_t lines =
-                        kind == W_F32 && p + 1 < panels && tiles <= PREFETCH_MAX_TILES ? panel_bytes / 64 : 0;
-                    for (int64_t t = 0, i = m0; t < tiles; ++t) {
-                        const int64_t mr = rows / tiles + (t < rows % tiles);
-                        const int64_t first = lines * t / tiles, share = lines * (t + 1) / tiles - first;
-                        const Prefetch pf = {(const char *)w + (p + 1) * panel_bytes + first * 64, share,
-                                             share > 0 && k / share > 0 ? k / share : 1};
-                        tile_at(kind, mr, 1, x, xs, w, panel_elems, k, out, os, n, bias, i, p, pf);
-                        i += mr;
-                    }
-                }
-            } else {
-                /* Short tiles (few rows, so few tiles) take several full panels at once. */
-                for (int64_t t = 0, i = m0; t < tiles; ++t) {
-                    const int64_t mr = rows / tiles + (t < rows % tiles);
-                    for (int64_t p = g * PANEL_GROUP; p < p_end;) {
-                        const int np = p + panels_per_tile(mr) <= full_panels ? panels_per_tile(mr) : 1;
-                        tile_at(kind, mr, np, x, xs, w, panel_elems, k, out, os, n, bias, i, p, NO_PREFETCH);
-                        p += np;
-                    }
-                    i += mr;
-                }
+    const int64_t m0 = m * mb / mblocks, rows = m * (mb + 1) / mblocks - m0; /* equal blocks */
+    const int64_t tiles = (rows + MR - 1) / MR;
+    const int64_t p_end = (g + 1) * PANEL_GROUP < panels ? (g + 1) * PANEL_GROUP : panels;
+    if (panels_per_tile(rows / tiles) == 1) {
+        /* Tiles of 4+ rows, one panel at a time: panel outer, tiles inner, so the panel
+         * stays in L1 / L2 while every tile of the block passes over it. */
+        for (int64_t p = g * PANEL_GROUP; p < p_end; ++p) {
+            /* Tile t asks for its share of the next panel's lines (the next one this
+             * thread runs, but for the last of its share), spread over its k loop. */
+            const int64_t lines =
+                kind == W_F32 && p + 1 < panels && tiles <= PREFETCH_MAX_TILES ? panel_bytes / 64 : 0;
+            for (int64_t t = 0, i = m0; t < tiles; ++t) {
+                const int64_t mr = rows / tiles + (t < rows % tiles);
+                const int64_t first = lines * t / tiles, share = lines * (t + 1) / tiles - first;
+                const Prefetch pf = {(const char *)w + (p + 1) * panel_bytes + first * 64, share,
+                                     share > 0 && k / share > 0 ? k / share : 1};
+                tile_at(kind, mr, 1, x, xs, w, panel_elems, k, out, os, n, bias, i, p, pf);
+                i += mr;
             }
         }
+    } else {
+        /* Short tiles (few rows, so few tiles) take several full panels at once. */
+        for (int64_t t = 0, i = m0; t < tiles; ++t) {
+            const int64_t mr = rows / tiles + (t < rows % tiles);
+            for (int64_t p = g * PANEL_GROUP; p < p_end;) {
+                const int np = p + panels_per_tile(mr) <= full_panels ? panels_per_tile(mr) : 1;
+                tile_at(kind, mr, np, x, xs, w, panel_elems, k, out, os, n, bias, i, p, NO_PREFETCH);
+                p += np;
+            }
+            i += mr;
+        }
     }
+}
+
+/* Tasks are (x row block, panel group) pairs, row block major, shared as work_share.h says: a
+ * thread runs its own tasks in order (so "the next panel" it prefetches is the one it runs
+ * next), then helps with the others'. */
+static void gemm(const float *x, int64_t xs, const void *w, const float *bias, float *out, int64_t os, int64_t m,
+                 int64_t n, int64_t k, int kind) {
+    const int64_t groups = ((n + NR - 1) / NR + PANEL_GROUP - 1) / PANEL_GROUP;
+    const int64_t mblocks = (m + rows_per_block(k) - 1) / rows_per_block(k);
+    /* Bound by reading the weight for few rows: worth a second thread from ~64 KiB of it on. */
+    const int64_t threads = (n + NR - 1) / NR * k >= 2048 ? omp_get_max_threads() : 1;
+    OwnedSpan spans[threads];
+    work_share_init(spans, threads, mblocks * groups); /* < 2^32: m n / 384 tasks at most */
+#pragma omp parallel if (threads > 1)
+    for (int64_t task; (task = work_share_next(spans, threads, omp_get_thread_num())) >= 0;)
+        gemm_task(x, xs, w, bias, out, os, m, n, k, kind, task / groups, mblocks, task % groups);
 }
 
 #else /* portable C: the same layout and results up to float summation order */
