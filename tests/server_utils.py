@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -27,8 +28,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 class Server:
     """`python -m tidal.frontend.cli serve MODEL ARGS` on 127.0.0.1; `stop()` always reaps it."""
 
-    def __init__(self, model: str, args: list[str], cache_dir: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, args: list[str], cache_dir: str, env: dict[str, str] | None = None,
+                 healthy: Callable[[Server], bool] | None = None) -> None:
+        """`healthy(server)`: whether it is up, for a server not on plain HTTP at server.url
+        (default: GET /health answers 200 there)."""
         self.port = free_port()
+        self._healthy = healthy or (lambda srv: http_get(srv.url + "/health")[0] == 200)
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--port", str(self.port),
                "--disable-uvicorn-access-log", *args]
@@ -46,7 +51,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tidal serve exited with {self.proc.returncode}:\n{self.output()}")
-            if http_get(self.url + "/health")[0] == 200:
+            if self._healthy(self):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"tidal serve not healthy after {STARTUP_TIMEOUT_S} s")

@@ -49,7 +49,13 @@ from tidal.frontend.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from tidal.frontend.openai.serving_base import ClientGone, ServingContext
+from tidal.frontend.openai.server_flags import (
+    add_app_middleware,
+    check_server_flags,
+    filter_access_log,
+    uvicorn_kwargs,
+)
+from tidal.frontend.openai.serving_base import ChatOptions, ClientGone, ServingContext
 from tidal.frontend.openai.serving_chat import ChatHandler, render_chat
 from tidal.frontend.openai.serving_completions import CompletionsHandler
 from tidal.protocol import envs
@@ -209,7 +215,9 @@ async def _log_stats(engine: AsyncLLM, interval: float) -> None:
 
 
 def build_app(ctx: ServingContext, *, api_key: str | None = None, max_body_bytes: int = 32 << 20,
-              stats_interval: float = STATS_LOG_INTERVAL_S) -> Starlette:
+              stats_interval: float = STATS_LOG_INTERVAL_S, flags: Any = None) -> Starlette:
+    """The app; `flags` (tidal serve's parsed arguments) adds the middleware server_flags
+    implements (outside the API key check, so CORS preflights need no key)."""
     routes = Routes(ctx)
     completions, chat = CompletionsHandler(ctx), ChatHandler(ctx)
 
@@ -238,6 +246,8 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, max_body_bytes
         lifespan=lifespan)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if flags is not None:
+        add_app_middleware(app, flags)
     return app
 
 
@@ -281,17 +291,25 @@ def served_names(engine_args: AsyncEngineArgs) -> list[str]:
 
 async def run_server(args: Any) -> None:
     """Start the engine, serve until SIGINT/SIGTERM, shut everything down."""
+    check_server_flags(args)
     template = load_chat_template(args.chat_template)
+    server_kwargs = uvicorn_kwargs(args)
     engine_args = engine_args_from(args)
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
-        ctx = ServingContext(engine, served_names(engine_args), template)
-        app = build_app(ctx, api_key=args.api_key or envs.TIDAL_API_KEY, max_body_bytes=args.max_request_body_bytes)
-        config = uvicorn.Config(app, host=args.host, port=args.port, http="httptools", lifespan="on",
-                                log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-                                timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path or "")
-        logger.info("tidal serve: %s as %s on http://%s:%d", engine_args.model, ctx.served_names[0],
-                    args.host, args.port)
+        ctx = ServingContext(engine, served_names(engine_args), template, ChatOptions(
+            args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
+            args.enable_force_include_usage))
+        app = build_app(ctx, api_key=args.api_key or envs.TIDAL_API_KEY, max_body_bytes=args.max_request_body_bytes,
+                        flags=args)
+        config = uvicorn.Config(app, http="httptools", lifespan="on", log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log,
+                                timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path or "",
+                                **server_kwargs)
+        filter_access_log(args)
+        where = f"unix:{args.uds}" if args.uds else (
+            f"{'https' if args.ssl_keyfile else 'http'}://{args.host}:{args.port}")
+        logger.info("tidal serve: %s as %s on %s", engine_args.model, ctx.served_names[0], where)
         await GracefulServer(config).serve()
     finally:
         engine.shutdown()

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from tidal.frontend.engine_args import AsyncEngineArgs
+from tidal.frontend.openai.server_flags import add_server_flags
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "TIDAL_API_KEY"
@@ -32,6 +33,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
     group.add_argument("--root-path", default=None, help="ASGI root_path behind a path-routing proxy")
+    add_server_flags(group)
     AsyncEngineArgs.add_cli_args(parser, exclude=frozenset({"model"}))
     return parser
 

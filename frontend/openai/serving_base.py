@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -76,11 +77,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """tidal serve's flags for chat and streams (vLLM's names: --response-role,
+    --chat-template-content-format, --default-chat-template-kwargs, --enable-force-include-usage)."""
+
+    response_role: str = "assistant"
+    content_format: str = "auto"  # auto and string: text parts joined; openai: a list of text parts
+    default_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    force_include_usage: bool = False
+
+
 class ServingContext:
     """The engine and what every endpoint reads about the model it serves."""
 
-    def __init__(self, engine: AsyncLLM, served_names: Sequence[str], chat_template: str | None) -> None:
+    def __init__(self, engine: AsyncLLM, served_names: Sequence[str], chat_template: str | None,
+                 options: ChatOptions | None = None) -> None:
         self.engine = engine
+        self.options = options or ChatOptions()
         self.tokenizer: Any = engine.tokenizer
         self.served_names = list(served_names)
         self.model_path: str = engine.config.model
@@ -177,8 +191,8 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(**fields)
 
 
-def include_usage(req: SamplingFields) -> bool:
-    return req.stream_options is not None and req.stream_options.include_usage
+def include_usage(req: SamplingFields, ctx: ServingContext) -> bool:
+    return ctx.options.force_include_usage or (req.stream_options is not None and req.stream_options.include_usage)
 
 
 def stream_framing(obj: str, request_id: str, model: str, with_usage: bool) -> tuple[bytes, bytes]:

@@ -71,14 +71,22 @@ def _content_text(content: Any) -> str | None:
                    "messages")
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
+    """Messages as the template gets them: content as one string, or (content_format "openai")
+    as OpenAI's list of text parts, a string content becoming one part."""
     if not messages:
         raise APIError("messages must hold at least one message", HTTPStatus.BAD_REQUEST, "messages")
     out = []
     for m in messages:
         if not isinstance(m.get("role"), str):
             raise APIError("every message needs a string 'role'", HTTPStatus.BAD_REQUEST, "messages")
-        out.append({**m, "content": _content_text(m.get("content"))})
+        text = _content_text(m.get("content"))  # validates the parts (text only)
+        if content_format == "openai" and text is not None:
+            content: Any = ([{"type": "text", "text": p["text"]} for p in m["content"]]
+                            if isinstance(m["content"], list) else [{"type": "text", "text": text}])
+        else:
+            content = text
+        out.append({**m, "content": content})
     return out
 
 
@@ -93,9 +101,11 @@ def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_gene
         raise APIError("continue_final_message and add_generation_prompt cannot both be true",
                        HTTPStatus.BAD_REQUEST, "continue_final_message")
     try:
-        text = tok.apply_chat_template(normalize_messages(messages), chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, **(kwargs or {}))
+        options = ctx.options
+        text = tok.apply_chat_template(normalize_messages(messages, options.content_format), chat_template=template,
+                                       tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       **{**options.default_template_kwargs, **(kwargs or {})})
     except APIError:
         raise
     except Exception as e:  # jinja2 errors, raise_exception() in the template, bad kwargs
@@ -159,7 +169,7 @@ class ChatHandler:
         choices, completion_tokens = [], 0
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
-            choices.append(ChatChoice(o.index, ChatMessage("assistant", o.text),
+            choices.append(ChatChoice(o.index, ChatMessage(self.ctx.options.response_role, o.text),
                                       self._logprobs(req, o.token_ids, o.logprobs), o.finish_reason, o.stop_reason))
         prompt_tokens = len(final.prompt_token_ids)
         usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
@@ -169,7 +179,7 @@ class ChatHandler:
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, model: str, first: RequestOutput,
                       gen: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
-        with_usage = include_usage(req)
+        with_usage = include_usage(req, self.ctx)
         prefix, suffix = stream_framing("chat.completion.chunk", rid, model, with_usage)
         prompt_tokens, completion_tokens = len(first.prompt_token_ids), 0
         # Events ready at once share one write: the role chunks with the first output, an
@@ -177,7 +187,7 @@ class ChatHandler:
         parts: list[bytes] = []
         try:
             for i in range(req.n):  # each choice opens with the role, as OpenAI's streams do
-                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")))
+                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role=self.ctx.options.response_role, content="")))
                              + suffix)
             out: RequestOutput | None = first
             while out is not None:

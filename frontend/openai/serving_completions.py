@@ -168,7 +168,7 @@ class CompletionsHandler:
     # ------------------------------------------------------------------- streamed
     async def _stream(self, req: CompletionRequest, rid: str, model: str,
                       streams: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]) -> AsyncIterator[bytes]:
-        with_usage = include_usage(req)
+        with_usage = include_usage(req, self.ctx)
         prefix, suffix = stream_framing("text_completion", rid, model, with_usage)
         builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0)
         offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)

@@ -1,0 +1,235 @@
+"""vLLM's server (frontend) flags beyond the basic ones: CORS, TLS, a Unix socket, X-Request-Id
+headers, extra ASGI middleware, access-log filtering, a logging config, and the vLLM flags tidal
+accepts without acting on them or refuses (vllm/entrypoints/openai/cli_args.py, FrontendArgs).
+
+Every vLLM server flag has a defined outcome here: implemented, accepted as a no-op (a value
+other than vLLM's default logs why it changes nothing), or refused at start-up with a message
+naming the feature (exit 2, before the engine loads).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import logging
+import ssl
+import uuid
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+# vLLM flags that change nothing in tidal: flag -> why (a non-default value is logged once).
+NOOP_FLAGS: dict[str, str] = {
+    "disable_fastapi_docs": "tidal's server has no OpenAPI docs pages",
+    "enable_offline_docs": "tidal's server has no OpenAPI docs pages",
+    "h11_max_incomplete_event_size": "tidal's server parses HTTP with httptools, not h11",
+    "h11_max_header_count": "tidal's server parses HTTP with httptools, not h11",
+    "max_log_len": "tidal's request log (--enable-log-requests) prints request ids, never prompts",
+}
+# vLLM flags for features tidal does not have: flag -> the feature (a non-default value is refused).
+REFUSED_FLAGS: dict[str, str] = {
+    "lora_modules": "LoRA adapters",
+    "enable_auto_tool_choice": "tool calling",
+    "tool_call_parser": "tool calling",
+    "tool_parser_plugin": "tool calling",
+    "tool_server": "tool calling",
+    "exclude_tools_when_tool_choice_none": "tool calling",
+    "return_tokens_as_token_ids": "logprob tokens as 'token_id:N' strings",
+    "enable_prompt_tokens_details": "prompt_tokens_details in usage",
+    "enable_server_load_tracking": "server load tracking",
+    "enable_tokenizer_info_endpoint": "the /tokenizer_info endpoint",
+    "enable_log_outputs": "logging generated outputs",
+    "trust_request_chat_template": "chat templates sent in requests",
+    "tokens_only": "the tokens-only endpoint set",
+    "enable_ssl_refresh": "reloading TLS certificates while running",
+}
+_STORE_TRUE = frozenset({"enable_auto_tool_choice", "exclude_tools_when_tool_choice_none", "return_tokens_as_token_ids",
+                         "enable_prompt_tokens_details", "enable_server_load_tracking",
+                         "enable_tokenizer_info_endpoint", "enable_log_outputs", "trust_request_chat_template",
+                         "tokens_only", "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs"})
+
+
+def json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's CORS flags: '["https://a.example"]')."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {value!r} ({e.msg})") from None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
+
+
+def json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {value!r} ({e.msg})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+def add_server_flags(group: argparse._ArgumentGroup) -> None:
+    """The flags this module implements, then the accepted-only and refused ones."""
+    group.add_argument("--uds", default=None, help="serve on this Unix domain socket (--host/--port are then unused)")
+    group.add_argument("--allowed-origins", type=json_list, default=None,
+                       help="CORS: origins whose browser pages may call the API, a JSON list ('[\"*\"]' for any). "
+                            "Default: none (vLLM's is any): a server on loopback would otherwise answer every "
+                            "web page its user opens")
+    group.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: allowed methods (JSON list)")
+    group.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: allowed headers (JSON list)")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
+    group.add_argument("--ssl-certfile", default=None, help="... and this certificate file")
+    group.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
+    group.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                       help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)")
+    group.add_argument("--ssl-ciphers", default=None, help="TLS 1.2 cipher suites (OpenSSL list format)")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="answer with an X-Request-Id header (the request's own, else a new id)")
+    group.add_argument("--middleware", action="append", default=[],
+                       help="import path of an ASGI middleware class, or of an HTTP middleware function "
+                            "`async def f(request, call_next)`; repeatable")
+    group.add_argument("--disable-access-log-for-endpoints", default=None,
+                       help="comma-separated paths kept out of the access log, e.g. /health,/metrics")
+    group.add_argument("--log-config-file", default=None, help="a JSON logging.config dict for tidal and uvicorn")
+    group.add_argument("--response-role", default="assistant", help="the role of chat replies")
+    group.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                       help="message content as the template sees it: a string (auto, string: text parts "
+                            "joined), or OpenAI's list of {'type': 'text', 'text': ...} parts (openai)")
+    group.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                       help="chat template kwargs for every request (a JSON object; a request's own win)")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="end every stream with a usage chunk, as if stream_options.include_usage were set")
+    hidden = [*NOOP_FLAGS, *REFUSED_FLAGS]
+    for name in hidden:
+        flag = "--" + name.replace("_", "-")
+        if name in _STORE_TRUE:
+            group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        elif name == "lora_modules":
+            group.add_argument(flag, nargs="+", default=None, help=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, default=None, help=argparse.SUPPRESS)
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """Everything about these flags that can fail, before the engine starts: ValueError for a
+    refused flag that was set, a half TLS setting, a --middleware that does not import or a
+    --log-config-file that does not load; one warning per no-op flag that was set."""
+    for name, feature in REFUSED_FLAGS.items():
+        if getattr(args, name, None) not in (None, False):
+            raise ValueError(f"--{name.replace('_', '-')}: tidal does not support {feature}")
+    for name, why in NOOP_FLAGS.items():
+        if getattr(args, name, None) not in (None, False):
+            logger.warning("--%s changes nothing here: %s", name.replace("_", "-"), why)
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    if args.ssl_cert_reqs not in (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)):
+        raise ValueError(f"--ssl-cert-reqs {args.ssl_cert_reqs}: expected 0 (none), 1 (optional) or 2 (required)")
+    for path in args.middleware:
+        middleware_of(path)
+    log_config(args)
+
+
+class RequestIdHeaderMiddleware:
+    """X-Request-Id on every HTTP response: the request's own header, else a new uuid4 hex."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def middleware_of(path: str) -> tuple[type, dict[str, Any]]:
+    """(middleware class, its options) for `--middleware path` ("package.module.Name": an ASGI
+    middleware class, or an `async def f(request, call_next)`); ValueError naming the path."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--middleware {path!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if inspect.isclass(obj):
+        return obj, {}
+    if inspect.iscoroutinefunction(obj):
+        return BaseHTTPMiddleware, {"dispatch": obj}
+    raise ValueError(f"--middleware {path!r}: expected an ASGI middleware class or an async function")
+
+
+def add_app_middleware(app: Starlette, args: argparse.Namespace) -> None:
+    """The user's middleware, then request ids, then CORS, each around the app built so far (so
+    all of them sit outside the API key check, and CORS outermost: a preflight is answered before
+    anything else, and every response, a 401 too, carries the CORS and request id headers)."""
+    for path in args.middleware:
+        cls, options = middleware_of(path)
+        app.add_middleware(cls, **options)
+    if args.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
+    if args.allowed_origins is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+
+
+class _SkipPaths(logging.Filter):
+    """Drops uvicorn access-log records of the given paths (its args: client, method, path, ...)."""
+
+    def __init__(self, paths: set[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) >= 3 else None
+        return not (isinstance(path, str) and path.split("?", 1)[0] in self.paths)
+
+
+def log_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--log-config-file's dict (uvicorn applies it, to its loggers and tidal's alike), read
+    here so that a missing or malformed file is a one-line error before the engine starts."""
+    if args.log_config_file is None:
+        return None
+    try:
+        with open(args.log_config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--log-config-file {args.log_config_file!r}: {type(e).__name__}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--log-config-file {args.log_config_file!r}: expected a JSON object (a logging.config dict)")
+    return config
+
+
+def filter_access_log(args: argparse.Namespace) -> None:
+    """--disable-access-log-for-endpoints; after uvicorn.Config, which (re)configures logging."""
+    if args.disable_access_log_for_endpoints:
+        paths = {p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()}
+        logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths))
+
+
+def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The socket, TLS and logging settings of uvicorn.Config."""
+    out: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
+    if (config := log_config(args)) is not None:
+        out["log_config"] = config
+    if args.ssl_keyfile is not None:
+        out.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                   ssl_cert_reqs=args.ssl_cert_reqs)
+        if args.ssl_ciphers:
+            out["ssl_ciphers"] = args.ssl_ciphers
+    return out
