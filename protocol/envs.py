@@ -26,6 +26,9 @@ def _cache_dir() -> str:
 _VARIABLES: dict[str, Callable[[], Any]] = {
     # Logging level of every tidal process (DEBUG shows tracebacks the CLI shortens).
     "TIDAL_LOG_LEVEL": lambda: os.environ.get("TIDAL_LOG_LEVEL", "WARNING"),
+    # A JSON logging.config dict file every tidal process applies instead (vLLM's
+    # VLLM_LOGGING_CONFIG_PATH; `tidal serve --log-config-file` sets it for its engine processes).
+    "TIDAL_LOGGING_CONFIG_PATH": lambda: os.environ.get("TIDAL_LOGGING_CONFIG_PATH") or None,
     # 0: LLM runs the engine core in the calling process (easier to debug).
     "TIDAL_ENABLE_MULTIPROCESSING": _flag("TIDAL_ENABLE_MULTIPROCESSING", True),
     # Made models, tokenizers and compiled kernels (default ~/.cache/tidal).

@@ -1,11 +1,14 @@
 """Small helpers every layer uses, each written once (torch-free)."""
 from __future__ import annotations
 
+import json
 import logging
+import logging.config
 import os
 import socket
 import time
 import traceback
+from typing import Any
 
 from tidal.protocol import envs
 
@@ -137,10 +140,32 @@ class Deadline:
 
 
 def setup_logging(process_label: str) -> None:
-    """Root logging for a tidal process at TIDAL_LOG_LEVEL, each line naming the process."""
+    """Root logging for a tidal process at TIDAL_LOG_LEVEL, each line naming the process; or
+    the logging config in TIDAL_LOGGING_CONFIG_PATH when that is set."""
+    if envs.TIDAL_LOGGING_CONFIG_PATH is not None:
+        apply_logging_config(load_logging_config(envs.TIDAL_LOGGING_CONFIG_PATH))
+        return
     logging.basicConfig(
         level=envs.TIDAL_LOG_LEVEL.upper(),
         format=f"%(asctime)s %(levelname)s [{process_label} %(process)d] %(name)s: %(message)s")
+
+
+def load_logging_config(path: str) -> dict[str, Any]:
+    """A JSON logging.config dict from `path`; ValueError naming the file when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"logging config {path!r}: {type(e).__name__}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"logging config {path!r}: expected a JSON object (a logging.config dict)")
+    return config
+
+
+def apply_logging_config(config: dict[str, Any]) -> None:
+    """dictConfig, keeping loggers the config does not name (dictConfig's own default would
+    silence every logger created before it: the engine's, uvicorn's)."""
+    logging.config.dictConfig({"disable_existing_loggers": False, **config})
 
 
 def free_port(host: str = "127.0.0.1") -> int:

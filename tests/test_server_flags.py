@@ -73,6 +73,8 @@ def test_request_id_headers_middleware_and_api_key(server: Server) -> None:
     assert new.headers["x-from-function"] == "1" and new.headers["x-from-class"] == "1"
     denied = _raw(server, "GET", "/v1/models", {})  # the key is still required; headers still added
     assert denied.status_code == 401 and "x-request-id" in denied.headers and denied.headers["x-from-class"] == "1"
+    # only a CORS preflight (OPTIONS with Access-Control-Request-Method) skips the key check
+    assert _raw(server, "OPTIONS", "/v1/models", {"Origin": ORIGIN}).status_code == 401
 
 
 def test_response_role_content_format_and_template_kwargs(server: Server, tiny_model_dir: str) -> None:
@@ -91,6 +93,9 @@ def test_response_role_content_format_and_template_kwargs(server: Server, tiny_m
     status, out = post_json(server.url + "/v1/chat/completions",
                             {"messages": msgs, "max_tokens": 3, "temperature": 0}, AUTH)
     assert status == 200 and out["choices"][0]["message"]["role"] == "bot", out
+    status, out = post_json(server.url + "/v1/chat/completions",  # continuing the last message: its role
+                            {"messages": msgs, "max_tokens": 3, "add_generation_prompt": False}, AUTH)
+    assert status == 200 and out["choices"][0]["message"]["role"] == "user", out
     client = server.client(api_key=KEY)
     chunks = list(client.chat.completions.create(model="", messages=msgs, max_tokens=3, temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "bot"
@@ -112,13 +117,40 @@ def test_access_log_filter_drops_only_the_listed_paths() -> None:
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        filter_access_log(argparse.Namespace(disable_access_log_for_endpoints=" /health, /metrics"))
-        for path in ("/health", "/metrics?x=1", "/v1/models", "/healthz"):  # uvicorn's own record shape
+        filter_access_log(argparse.Namespace(disable_access_log_for_endpoints=" /health, /metrics",
+                                             root_path="/api/"))
+        # uvicorn's own record shape; its path includes the root path
+        for path in ("/api/health", "/api/metrics?x=1", "/api/v1/models", "/api/healthz"):
             log.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", path, "1.1", 200)
     finally:
         log.removeHandler(handler)
         log.filters[:], log.level, log.propagate = saved[0], saved[1], saved[2]
-    assert [m.split(" ")[3] for m in kept] == ["/v1/models", "/healthz"]
+    assert [m.split(" ")[3] for m in kept] == ["/api/v1/models", "/api/healthz"]
+
+
+def test_logging_config_file_applies_in_every_tidal_process(tmp_path: os.PathLike[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup_logging (every tidal process runs it) applies TIDAL_LOGGING_CONFIG_PATH, which
+    --log-config-file sets for the engine processes, and keeps the loggers it does not name."""
+    from tidal.protocol.utils import setup_logging
+
+    out = os.path.join(tmp_path, "log.txt")
+    config = os.path.join(tmp_path, "log.json")
+    with open(config, "w") as f:
+        json.dump({"version": 1, "handlers": {"f": {"class": "logging.FileHandler", "filename": out}},
+                   "loggers": {"tidal.flagtest": {"handlers": ["f"], "level": "INFO", "propagate": False}}}, f)
+    before = logging.getLogger("tidal.flagtest.before")
+    monkeypatch.setenv("TIDAL_LOGGING_CONFIG_PATH", config)
+    try:
+        setup_logging("test")
+        logging.getLogger("tidal.flagtest").info("configured %d", 1)
+        assert not before.disabled  # dictConfig's default would have disabled it
+    finally:
+        for h in logging.getLogger("tidal.flagtest").handlers:
+            h.close()
+        logging.getLogger("tidal.flagtest").handlers.clear()
+    with open(out) as f:
+        assert f.read() == "configured 1\n"
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -129,7 +161,10 @@ def test_access_log_filter_drops_only_the_listed_paths() -> None:
     (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "7"], "--ssl-cert-reqs 7"),
     (["--middleware", "tests.server_middleware.missing"], "--middleware 'tests.server_middleware.missing'"),
     (["--middleware", "tests.server_middleware.not_middleware"], "expected an ASGI middleware class"),
-    (["--log-config-file", "/nonexistent/log.json"], "--log-config-file '/nonexistent/log.json'"),
+    (["--log-config-file", "/nonexistent/log.json"], "--log-config-file: logging config '/nonexistent/log.json'"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"], "--ssl-ca-certs must name"),
+    (["--default-chat-template-kwargs", '{"tokenize": true}'], "['tokenize'] are apply_chat_template's own"),
+    (["--tool-parser-plugin", "my.plugin"], "--tool-parser-plugin: tidal does not support tool calling"),
 ])
 def test_refused_and_malformed_server_flags(flags: list[str], expected: str) -> None:
     from tidal.frontend.cli import build_parser

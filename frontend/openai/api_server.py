@@ -51,6 +51,7 @@ from tidal.frontend.openai.protocol import (
 )
 from tidal.frontend.openai.server_flags import (
     add_app_middleware,
+    apply_log_config,
     check_server_flags,
     filter_access_log,
     uvicorn_kwargs,
@@ -294,6 +295,7 @@ async def run_server(args: Any) -> None:
     check_server_flags(args)
     template = load_chat_template(args.chat_template)
     server_kwargs = uvicorn_kwargs(args)
+    apply_log_config(args)  # before the engine starts its processes: they inherit it
     engine_args = engine_args_from(args)
     engine = AsyncLLM.from_engine_args(engine_args)
     try:

@@ -4,7 +4,7 @@ accepts without acting on them or refuses (vllm/entrypoints/openai/cli_args.py, 
 
 Every vLLM server flag has a defined outcome here: implemented, accepted as a no-op (a value
 other than vLLM's default logs why it changes nothing), or refused at start-up with a message
-naming the feature (exit 2, before the engine loads).
+naming the feature (exit 1, before the engine loads).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import ssl
 import uuid
 from typing import Any
@@ -21,18 +22,21 @@ from starlette.applications import Starlette
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tidal.protocol.utils import apply_logging_config, load_logging_config
 
 logger = logging.getLogger(__name__)
 
-# vLLM flags that change nothing in tidal: flag -> why (a non-default value is logged once).
-NOOP_FLAGS: dict[str, str] = {
-    "disable_fastapi_docs": "tidal's server has no OpenAPI docs pages",
-    "enable_offline_docs": "tidal's server has no OpenAPI docs pages",
-    "h11_max_incomplete_event_size": "tidal's server parses HTTP with httptools, not h11",
-    "h11_max_header_count": "tidal's server parses HTTP with httptools, not h11",
-    "max_log_len": "tidal's request log (--enable-log-requests) prints request ids, never prompts",
+# vLLM flags that change nothing in tidal: flag -> (vLLM's default, why); another value is
+# accepted and logged once.
+NOOP_FLAGS: dict[str, tuple[Any, str]] = {
+    "disable_fastapi_docs": (False, "tidal's server has no OpenAPI docs pages"),
+    "enable_offline_docs": (False, "tidal's server has no OpenAPI docs pages"),
+    "h11_max_incomplete_event_size": (4194304, "tidal's server parses HTTP with httptools, not h11"),
+    "h11_max_header_count": (256, "tidal's server parses HTTP with httptools, not h11"),
+    "max_log_len": (None, "tidal's request log (--enable-log-requests) prints request ids, never prompts"),
 }
-# vLLM flags for features tidal does not have: flag -> the feature (a non-default value is refused).
+# vLLM flags for features tidal does not have: flag -> the feature; any value but vLLM's default
+# (unset, False, or "" for --tool-parser-plugin) is refused.
 REFUSED_FLAGS: dict[str, str] = {
     "lora_modules": "LoRA adapters",
     "enable_auto_tool_choice": "tool calling",
@@ -53,6 +57,7 @@ _STORE_TRUE = frozenset({"enable_auto_tool_choice", "exclude_tools_when_tool_cho
                          "enable_prompt_tokens_details", "enable_server_load_tracking",
                          "enable_tokenizer_info_endpoint", "enable_log_outputs", "trust_request_chat_template",
                          "tokens_only", "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs"})
+_INT_FLAGS = frozenset({"h11_max_incomplete_event_size", "h11_max_header_count", "max_log_len"})
 
 
 def json_list(value: str) -> list[str]:
@@ -99,40 +104,55 @@ def add_server_flags(group: argparse._ArgumentGroup) -> None:
                             "`async def f(request, call_next)`; repeatable")
     group.add_argument("--disable-access-log-for-endpoints", default=None,
                        help="comma-separated paths kept out of the access log, e.g. /health,/metrics")
-    group.add_argument("--log-config-file", default=None, help="a JSON logging.config dict for tidal and uvicorn")
+    group.add_argument("--log-config-file", default=None,
+                       help="a JSON logging.config dict for the server's and its engine processes' loggers "
+                            "(uvicorn's too)")
     group.add_argument("--response-role", default="assistant", help="the role of chat replies")
     group.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
-                       help="message content as the template sees it: a string (auto, string: text parts "
-                            "joined), or OpenAI's list of {'type': 'text', 'text': ...} parts (openai)")
+                       help="message content as the template sees it: a string (string; auto too, where "
+                            "vLLM inspects the template), or OpenAI's list of {'type': 'text', 'text': ...} "
+                            "parts (openai)")
     group.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
                        help="chat template kwargs for every request (a JSON object; a request's own win)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="end every stream with a usage chunk, as if stream_options.include_usage were set")
-    hidden = [*NOOP_FLAGS, *REFUSED_FLAGS]
-    for name in hidden:
+    for name in [*NOOP_FLAGS, *REFUSED_FLAGS]:
         flag = "--" + name.replace("_", "-")
         if name in _STORE_TRUE:
             group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
         elif name == "lora_modules":
             group.add_argument(flag, nargs="+", default=None, help=argparse.SUPPRESS)
+        elif name in _INT_FLAGS:
+            group.add_argument(flag, type=int, default=NOOP_FLAGS[name][0], help=argparse.SUPPRESS)
         else:
             group.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
+# apply_chat_template's own parameters: template kwargs named so would collide with them.
+_TEMPLATE_PARAMS = frozenset({"conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+                              "tokenize", "tools", "documents", "padding", "truncation", "max_length",
+                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 def check_server_flags(args: argparse.Namespace) -> None:
     """Everything about these flags that can fail, before the engine starts: ValueError for a
-    refused flag that was set, a half TLS setting, a --middleware that does not import or a
-    --log-config-file that does not load; one warning per no-op flag that was set."""
+    refused flag that was set, a half TLS setting, a --middleware that does not import, a
+    --log-config-file that does not load or template kwargs that name apply_chat_template's
+    own parameters; one warning per no-op flag set to other than vLLM's default."""
     for name, feature in REFUSED_FLAGS.items():
-        if getattr(args, name, None) not in (None, False):
+        if getattr(args, name, None) not in (None, False, ""):
             raise ValueError(f"--{name.replace('_', '-')}: tidal does not support {feature}")
-    for name, why in NOOP_FLAGS.items():
-        if getattr(args, name, None) not in (None, False):
+    for name, (default, why) in NOOP_FLAGS.items():
+        if getattr(args, name, default) != default:
             logger.warning("--%s changes nothing here: %s", name.replace("_", "-"), why)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     if args.ssl_cert_reqs not in (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)):
         raise ValueError(f"--ssl-cert-reqs {args.ssl_cert_reqs}: expected 0 (none), 1 (optional) or 2 (required)")
+    if args.ssl_cert_reqs != int(ssl.CERT_NONE) and args.ssl_ca_certs is None:
+        raise ValueError("--ssl-cert-reqs asks for client certificates: --ssl-ca-certs must name the CAs to check")
+    if clash := sorted(_TEMPLATE_PARAMS & set(args.default_chat_template_kwargs or {})):
+        raise ValueError(f"--default-chat-template-kwargs: {clash} are apply_chat_template's own parameters")
     for path in args.middleware:
         middleware_of(path)
     log_config(args)
@@ -164,7 +184,8 @@ def middleware_of(path: str) -> tuple[type, dict[str, Any]]:
     module_name, _, attr = path.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever importing it raised (SyntaxError too), named
+
         raise ValueError(f"--middleware {path!r}: cannot import it ({type(e).__name__}: {e})") from None
     if inspect.isclass(obj):
         return obj, {}
@@ -188,45 +209,55 @@ def add_app_middleware(app: Starlette, args: argparse.Namespace) -> None:
 
 
 class _SkipPaths(logging.Filter):
-    """Drops uvicorn access-log records of the given paths (its args: client, method, path, ...)."""
+    """Drops uvicorn access-log records of the given paths. Their args are (client, method,
+    path with query, HTTP version, status), the path including any --root-path prefix."""
 
-    def __init__(self, paths: set[str]) -> None:
+    def __init__(self, paths: set[str], root_path: str) -> None:
         super().__init__()
-        self.paths = paths
+        self.paths, self.root_path = paths, root_path
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         path = args[2] if isinstance(args, tuple) and len(args) >= 3 else None
-        return not (isinstance(path, str) and path.split("?", 1)[0] in self.paths)
+        if not isinstance(path, str):
+            return True
+        path = path.split("?", 1)[0]
+        if self.root_path and path.startswith(self.root_path):
+            path = path[len(self.root_path):] or "/"
+        return path not in self.paths
 
 
 def log_config(args: argparse.Namespace) -> dict[str, Any] | None:
-    """--log-config-file's dict (uvicorn applies it, to its loggers and tidal's alike), read
-    here so that a missing or malformed file is a one-line error before the engine starts."""
+    """--log-config-file's dict (ValueError naming the flag when it does not load)."""
     if args.log_config_file is None:
         return None
     try:
-        with open(args.log_config_file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--log-config-file {args.log_config_file!r}: {type(e).__name__}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--log-config-file {args.log_config_file!r}: expected a JSON object (a logging.config dict)")
-    return config
+        return load_logging_config(args.log_config_file)
+    except ValueError as e:
+        raise ValueError(f"--log-config-file: {e}") from None
+
+
+def apply_log_config(args: argparse.Namespace) -> None:
+    """--log-config-file for this process and, through TIDAL_LOGGING_CONFIG_PATH, the engine
+    processes it starts (before they start). uvicorn is then told to leave logging alone."""
+    config = log_config(args)
+    if config is not None:
+        os.environ["TIDAL_LOGGING_CONFIG_PATH"] = os.path.abspath(args.log_config_file)
+        apply_logging_config(config)
 
 
 def filter_access_log(args: argparse.Namespace) -> None:
     """--disable-access-log-for-endpoints; after uvicorn.Config, which (re)configures logging."""
     if args.disable_access_log_for_endpoints:
         paths = {p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()}
-        logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths))
+        logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths, (args.root_path or "").rstrip("/")))
 
 
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The socket, TLS and logging settings of uvicorn.Config."""
     out: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
-    if (config := log_config(args)) is not None:
-        out["log_config"] = config
+    if args.log_config_file is not None:
+        out["log_config"] = None  # apply_log_config has set it up
     if args.ssl_keyfile is not None:
         out.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                    ssl_cert_reqs=args.ssl_cert_reqs)

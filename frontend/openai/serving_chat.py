@@ -159,6 +159,13 @@ class ChatHandler:
         final = await until_disconnect(request, final_output(gen))
         return Response(_encode(self._response(req, rid, model, final)), media_type="application/json")
 
+    def _role(self, req: ChatCompletionRequest) -> str:
+        """--response-role for a generated reply; the last message's role when the reply
+        continues it (add_generation_prompt false), as vLLM."""
+        if req.add_generation_prompt:
+            return self.ctx.options.response_role
+        return str(req.messages[-1]["role"])
+
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], positions: Any) -> ChatLogprobs | None:
         if not req.logprobs:
             return None
@@ -169,7 +176,7 @@ class ChatHandler:
         choices, completion_tokens = [], 0
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
-            choices.append(ChatChoice(o.index, ChatMessage(self.ctx.options.response_role, o.text),
+            choices.append(ChatChoice(o.index, ChatMessage(self._role(req), o.text),
                                       self._logprobs(req, o.token_ids, o.logprobs), o.finish_reason, o.stop_reason))
         prompt_tokens = len(final.prompt_token_ids)
         usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
@@ -186,9 +193,9 @@ class ChatHandler:
         # output's choices (n > 1), and the tail (the last chunk, the usage chunk and [DONE]).
         parts: list[bytes] = []
         try:
+            role = self._role(req)
             for i in range(req.n):  # each choice opens with the role, as OpenAI's streams do
-                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role=self.ctx.options.response_role, content="")))
-                             + suffix)
+                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role=role, content=""))) + suffix)
             out: RequestOutput | None = first
             while out is not None:
                 for o in out.outputs:
