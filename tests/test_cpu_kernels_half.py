@@ -68,17 +68,22 @@ def test_panel_linear_does_not_depend_on_the_thread_count(dtype: torch.dtype) ->
     weight, bias = torch.randn(n, k, generator=gen) * 0.1, torch.randn(n, generator=gen)
     packed = hg.pack_weight(weight, dtype)
     x = torch.randn(200, k, generator=gen)
-    saved = torch.get_num_threads()
+    saved, lib = torch.get_num_threads(), ck.cpu_kernels()
+
+    def set_threads(threads: int) -> None:  # torch's and the kernels' OpenMP (one runtime, usually)
+        torch.set_num_threads(threads)
+        lib.tidal_set_num_threads(threads)
+
     try:
-        torch.set_num_threads(1)
+        set_threads(1)
         want = [hg.panel_linear(x[:m], packed, n, k, bias) for m in (1, 8, 200)]
         for threads in (2, 3, 7, 64):
-            torch.set_num_threads(threads)
+            set_threads(threads)
             for _ in range(3):
                 got = [hg.panel_linear(x[:m], packed, n, k, bias) for m in (1, 8, 200)]
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), threads
     finally:
-        torch.set_num_threads(saved)
+        set_threads(saved)
 
 
 def test_panel_linear_edge_shapes_and_errors() -> None:
