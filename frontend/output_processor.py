@@ -7,7 +7,6 @@ output kind; the `RequestOutput` goes in the request's queue (`AsyncLLM`) or is 
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
@@ -323,8 +322,11 @@ class OutputProcessor:
             if not outs:
                 return
         plp = None if state.logprobs is None else state.logprobs.prompt()
-        # A copy: an output is a snapshot, and the state's stats go on changing.
-        metrics = None if state.stats is None else copy.copy(state.stats)
+        # A copy: an output is a snapshot, and the state's stats go on changing. (The
+        # constructor over the instance's dict: copy.copy's generic reduce/reconstruct path
+        # was ~15% of a streaming server's front-end CPU.)
+        stats = state.stats
+        metrics = None if stats is None else RequestStateStats(**stats.__dict__)
         output = RequestOutput(state.external_req_id, state.prompt, state.prompt_token_ids,
                                plp, outs, finished, state.num_cached_tokens, metrics)
         state.queue.put(output) if state.queue is not None else request_outputs.append(output)
