@@ -233,3 +233,4 @@ def test_unix_domain_socket(tiny_model_dir: str, tidal_cache_dir: str, tmp_path:
         assert http_request("GET", f"http://127.0.0.1:{srv.port}/health")[0] == 0  # nothing on the TCP port
     finally:
         srv.stop()
+    assert srv.proc.returncode == 0 and not os.path.exists(path)  # the socket file goes with the server

@@ -54,6 +54,7 @@ from tidal.frontend.openai.server_flags import (
     apply_log_config,
     check_server_flags,
     filter_access_log,
+    remove_uds,
     uvicorn_kwargs,
 )
 from tidal.frontend.openai.serving_base import ChatOptions, ClientGone, ServingContext
@@ -315,3 +316,4 @@ async def run_server(args: Any) -> None:
         await GracefulServer(config).serve()
     finally:
         engine.shutdown()
+        remove_uds(args)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import ssl
+import stat
 import uuid
 from typing import Any
 
@@ -251,6 +252,16 @@ def filter_access_log(args: argparse.Namespace) -> None:
     if args.disable_access_log_for_endpoints:
         paths = {p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()}
         logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths, (args.root_path or "").rstrip("/")))
+
+
+def remove_uds(args: argparse.Namespace) -> None:
+    """The --uds socket file, once the server has stopped (uvicorn leaves it behind)."""
+    path = args.uds
+    try:
+        if path and stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass  # already gone, or not ours to remove
 
 
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
