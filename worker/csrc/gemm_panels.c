@@ -186,8 +186,9 @@ static void run_tile(int64_t mr, int np, const int kind, const float *x, int64_t
  * panel passes over it), a block into ceil(rows / 6) tiles of near-equal height (8 rows: 4 + 4,
  * not 6 + 2: a short tile costs about as much per k as a full one). Each tile sums the whole K in
  * registers straight from the half panel, which the first tile brings into L1 / L2 for the
- * others. Threads split the (block, group of 4 panels) pairs into contiguous equal shares, so for few rows
- * each streams its half of the weight front to back, and no thread is left with a short task.
+ * others. Threads start on contiguous equal shares of the (block, group of 4 panels) pairs, so for few rows
+ * each streams its half of the weight front to back; one that finishes early then takes tasks
+ * from the back of the others' shares (see gemm and work_share.h).
  * (Widening each panel once into a float32 buffer shared by a block's tiles, BLIS style, with
  * K blocks, measured slower at every size tried: 1.05-1.2x the time at 24-256 rows.) */
 static int64_t rows_per_block(int64_t k) {
