@@ -14,8 +14,10 @@ compared with the other's taken minutes apart. The last lines: server tok/s / LL
 (medians), and the ratio per workload. The server and the LLM are then stopped and reaped.
 As vLLM: TTFT = first chunk - send; ITL = gaps between chunks; TPOT = (latency - TTFT) /
 (output tokens - 1); output tokens = usage.completion_tokens. Defaults suit a small CPU box
-(vLLM's: 1000 x 1024 -> 128). CPU seconds of the client, the server's front-end and its engine
-core are printed: on 2 cores they compete.
+(vLLM's: 1000 x 1024 -> 128). CPU seconds are printed for each side: the client (its timed
+requests), the server's front-end and its engine core; LLM.generate's front-end and core. On 2
+cores they compete, and the engine's two threads lose more than the others take: a parallel
+region waits for a thread that is off its core.
 """
 from __future__ import annotations
 
@@ -83,7 +85,9 @@ def compute_metrics(results: list[Result], requests: list[Request], duration_s: 
     }
 
 
-async def run_client(base: str, requests: list[Request], args: argparse.Namespace) -> tuple[list[Result], float]:
+async def run_client(base: str, requests: list[Request], args: argparse.Namespace
+                     ) -> tuple[list[Result], float, float]:
+    """(results, seconds, client CPU seconds) of the timed requests (not the set-up before them)."""
     key = os.environ.get("TIDAL_API_KEY")  # the server inherits it, so it would demand it
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
@@ -101,9 +105,9 @@ async def run_client(base: str, requests: list[Request], args: argparse.Namespac
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         return await send(host, port, "/v1/completions", auth, model, req, args.temperature, args.request_timeout)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets, strict=True)))
-    return list(results), time.perf_counter() - t0
+    return list(results), time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def print_metrics(m: dict[str, Any], args: argparse.Namespace, cpu_s: tuple[float, float, float]) -> None:
@@ -128,20 +132,33 @@ def print_metrics(m: dict[str, Any], args: argparse.Namespace, cpu_s: tuple[floa
     print("=" * 50, flush=True)
 
 
+def _cpu_s(p: "psutil.Process") -> float:
+    import psutil
+
+    try:
+        t = p.cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
 def server_cpu_s(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) used so far by the server's front-end process and by its
     children (the engine core, its workers): where the 2 cores' time goes."""
     import psutil
 
-    def cpu(p: psutil.Process) -> float:
-        try:
-            t = p.cpu_times()
-            return t.user + t.system
-        except psutil.Error:
-            return 0.0
-
     front = psutil.Process(pid)
-    return cpu(front), sum(cpu(c) for c in front.children(recursive=True))
+    return _cpu_s(front), sum(_cpu_s(c) for c in front.children(recursive=True))
+
+
+def offline_core_cpu_s(server_pid: int) -> float:
+    """CPU seconds used so far by this process's children other than the server's process tree:
+    the offline LLM's engine core (and its workers)."""
+    import psutil
+
+    server = psutil.Process(server_pid)
+    skip = {server_pid} | {c.pid for c in server.children(recursive=True)}
+    return sum(_cpu_s(c) for c in psutil.Process().children(recursive=True) if c.pid not in skip)
 
 
 def server_steps(base: str) -> int:
@@ -191,10 +208,10 @@ class OfflineRunner:
     a 4-token request, then the untimed `warmups`."""
 
     def __init__(self, model: str, engine_kwargs: dict[str, Any], temperature: float,
-                 warmups: list[list[Request]]) -> None:
+                 warmups: list[list[Request]], server_pid: int) -> None:
         from tidal.frontend import LLM
 
-        self.temperature = temperature
+        self.temperature, self.server_pid = temperature, server_pid
         self.llm = LLM(model, **engine_kwargs)
         try:
             self.run(warmups[0][:1] if warmups else [], quiet=True, max_tokens=4)
@@ -214,15 +231,17 @@ class OfflineRunner:
         params = [SamplingParams(max_tokens=max_tokens or r.max_tokens, ignore_eos=True, temperature=self.temperature)
                   for r in requests]
         steps0 = self.llm.llm_engine.call_utility("get_timing")[2]
+        cpu0, core0 = time.process_time(), offline_core_cpu_s(self.server_pid)
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
+        cpu, core = time.process_time() - cpu0, offline_core_cpu_s(self.server_pid) - core0
         steps = self.llm.llm_engine.call_utility("get_timing")[2] - steps0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == sum(p.max_tokens for p in params), tokens
         if not quiet:
             print(f"LLM.generate: {len(outs)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.2f} output tok/s, "
-                  f"{steps} engine steps")
+                  f"{steps} engine steps; CPU s: front-end {cpu:.2f}, engine core {core:.2f}")
         return tokens / dt
 
     def close(self) -> None:
@@ -293,19 +312,19 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kw
             for requests in warmups:
                 asyncio.run(run_client(base, requests, args))
             if not args.no_offline:
-                offline = OfflineRunner(args.model, engine_kwargs, args.temperature, warmups)
+                offline = OfflineRunner(args.model, engine_kwargs, args.temperature, warmups, proc.pid)
             runs = []
             for i, requests in enumerate(workloads):
                 if offline is not None and i % 2:  # ABBA order: a drift favours neither side
                     offline_rates.append(offline.run(requests))
                 steps0 = server_steps(base)
-                cpu0, server0 = time.process_time(), server_cpu_s(proc.pid)
-                results, duration = asyncio.run(run_client(base, requests, args))
+                server0 = server_cpu_s(proc.pid)
+                results, duration, client_cpu = asyncio.run(run_client(base, requests, args))
                 server1 = server_cpu_s(proc.pid)
                 print(f"server: {len(requests)} requests in {duration:.2f} s, "
                       f"{server_steps(base) - steps0} engine steps (4 of them the client's 4-token warm-up request)")
                 runs.append((requests, results, duration,
-                             (time.process_time() - cpu0, server1[0] - server0[0], server1[1] - server0[1])))
+                             (client_cpu, server1[0] - server0[0], server1[1] - server0[1])))
                 if offline is not None and not i % 2:
                     offline_rates.append(offline.run(requests))
         except BaseException as e:

@@ -209,3 +209,38 @@ def test_curl_stream_is_openai_sse(server: Server) -> None:
     events = out.split(b"\n\n")
     assert events[-1] == b"" and events[-2] == b"data: [DONE]"
     assert all(e.startswith(b'data: {"id":"cmpl-') for e in events[:-2])
+
+
+def test_bench_client_reads_what_the_openai_client_reads(server: Server) -> None:
+    """scripts/sse_client.py (bench_serving's client): exact usage and one timing per content
+    chunk (the server merges the deltas of a reader that falls behind, so the count is at most
+    one per token, not equal to the official client's); an error status is reported, not read
+    as a stream; and its parser gives the same events whatever the read boundaries."""
+    import random
+    import sys
+    from urllib.parse import urlsplit
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+    from sse_client import Request, SSEParser, send
+
+    prompt = [5, 6, 7, 8, 9]
+    url = urlsplit(server.url)
+    ok = asyncio.run(send(url.hostname, url.port, "/v1/completions", b"", "tiny", Request(prompt, 9), 0.0, 60))
+    assert ok.success and ok.output_tokens == 9 and ok.error == ""
+    assert 1 <= len(ok.itl) + 1 <= 9 and 0 < ok.ttft <= ok.latency
+    bad = asyncio.run(send(url.hostname, url.port, "/v1/completions", b"", "tiny",
+                           Request(prompt, MAX_MODEL_LEN * 2), 0.0, 60))
+    assert not bad.success and bad.error.startswith("HTTP 400")
+
+    events = [b'{"n":%d}' % i for i in range(5)] + [b"[DONE]"]
+    body = b"".join(b"data: " + e + b"\n\n" for e in events)
+    pieces = [body[:7], body[7:30], body[30:]]  # chunk boundaries that cut events apart
+    raw = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+           + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n")
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(raw)), 6))
+        parser, got = SSEParser(), []
+        for a, b in zip([0, *cuts], [*cuts, len(raw)]):
+            got += parser.feed(raw[a:b])
+        assert got == events and parser.done and parser.status() == 200
