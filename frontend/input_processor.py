@@ -13,14 +13,13 @@ import time
 from typing import Any
 
 from tidal.frontend.detokenizer import rust_backend
+from tidal.frontend.tokenizer import LONG_TEXT_CHARS, check_prompt_chars, prompt_char_limit, rust_encode
 from tidal.protocol.messages import EngineCoreRequest
 from tidal.protocol.request_rules import RequestLimits, check_request
 from tidal.protocol.sampling_params import SamplingParams
 
 # Drawn seeds stay below 2**63 with room for the n > 1 children's seed + i (and then some).
 _SEED_LIMIT = (1 << 63) - (1 << 32)
-# Prompts longer than this (characters) are tokenized in a worker thread by process_async.
-ASYNC_TOKENIZE_MIN_CHARS = 2000
 _PROBE_TEXT = "Hello world! 你好 😀 \n  def f(x): return x"
 
 
@@ -65,11 +64,12 @@ class InputProcessor:
         if backend is not None and tokenizer is not backend:
             try:
                 if backend.encode(_PROBE_TEXT).ids == list(tokenizer.encode(_PROBE_TEXT)):
-                    self._encode = lambda text: backend.encode(text).ids
+                    self._encode = lambda text: rust_encode(backend, text)
             except Exception:
                 pass
         elif backend is not None:
-            self._encode = lambda text: backend.encode(text).ids
+            self._encode = lambda text: rust_encode(backend, text)
+        self._char_limit: int | None = None  # prompt_char_limit, computed on the first text prompt
 
     # ------------------------------------------------------------------ prompts
     def _parse_prompt(self, prompt: str | dict) -> tuple[str | None, list[int] | None]:
@@ -101,16 +101,22 @@ class InputProcessor:
             ids = clean
         return text, list(ids)
 
-    def _tokenize(self, text: str) -> list[int]:
+    def _tokenize(self, text: str, truncating: bool) -> list[int]:
+        """Token ids of a text prompt; one that cannot fit is refused first, untokenized
+        (unless it is to be truncated: then its end is what is asked for)."""
         if self._encode is None:
             raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
+        if not truncating and len(text) > LONG_TEXT_CHARS:
+            if self._char_limit is None:
+                self._char_limit = prompt_char_limit(self.tokenizer, self.limits.max_model_len)
+            check_prompt_chars(len(text), self._char_limit, self.limits.max_model_len)
         return list(self._encode(text))
 
     def _encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens (BOS and the like)."""
         backend = rust_backend(self.tokenizer)
         if backend is not None:
-            return list(backend.encode(text, add_special_tokens=False).ids)
+            return list(rust_encode(backend, text, add_special_tokens=False))
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
@@ -155,7 +161,7 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._parse_prompt(prompt)
         if ids is None:
-            ids = self._tokenize(text)  # type: ignore[arg-type]
+            ids = self._tokenize(text, params.truncate_prompt_tokens is not None)  # type: ignore[arg-type]
         # The clone re-runs SamplingParams' checks: params changed after construction (structs
         # are mutable) are caught here too, before anything is registered or sent. The
         # front-end's own changes then go into this private copy, checked by check_request.
@@ -192,10 +198,14 @@ class InputProcessor:
     async def process_async(self, request_id: str, prompt: str | dict, params: SamplingParams,
                             arrival_time: float | None = None,
                             priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
-        """`process`, tokenizing long prompts in a worker thread so the event loop keeps serving."""
+        """`process`, tokenizing long prompts (or many bad words) in a worker thread so the event
+        loop keeps serving."""
         text = prompt if isinstance(prompt, str) else (
             prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
-        if isinstance(text, str) and len(text) > ASYNC_TOKENIZE_MIN_CHARS:
+        chars = len(text) if isinstance(text, str) else 0
+        if isinstance(params, SamplingParams) and params.bad_words:
+            chars += sum(map(len, params.bad_words))
+        if chars > LONG_TEXT_CHARS:
             return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time, priority)
         return self.process(request_id, prompt, params, arrival_time, priority)
 

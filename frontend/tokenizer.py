@@ -25,6 +25,40 @@ from typing import Any
 # without model-specific changes to the pre-tokenizer or normalizer.
 _PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# Longer texts (characters) are tokenized in a worker thread, so the event loop keeps serving,
+# and by `encode_batch`, which releases the GIL while it works (`encode` holds it: a thread
+# encoding a 20 MB prompt with `encode` stalled every stream of the server for 35 s).
+LONG_TEXT_CHARS = 2000
+# Normalizers shrink text by at most this factor in practice (NFC composes up to three code
+# points into one Hangul syllable); see prompt_char_limit.
+_NORMALIZER_SHRINK = 4
+
+
+def rust_encode(backend: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text` by a `tokenizers.Tokenizer`, releasing the GIL for long texts."""
+    if len(text) > LONG_TEXT_CHARS:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int:
+    """Characters beyond which a text prompt cannot fit in `max_model_len` tokens, so it is
+    refused without tokenizing it (which would cost seconds per megabyte). One token covers at
+    most as many characters as its longest vocabulary entry (added tokens included; byte-level
+    entries spell one character per byte, so they overstate), and normalization shrinks text by
+    at most _NORMALIZER_SHRINK: no prompt that fits is refused. (A normalizer that deletes
+    characters outright, such as BERT's control-character cleaning, could in principle make a
+    prompt of little else fit past the bound; refusing such a prompt is no loss.)"""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 1) * _NORMALIZER_SHRINK
+
+
+def check_prompt_chars(num_chars: int, limit: int, max_model_len: int) -> None:
+    """ValueError when a text prompt of `num_chars` characters cannot fit (prompt_char_limit)."""
+    if num_chars > limit:
+        raise ValueError(f"prompt of {num_chars} characters is too long for max_model_len {max_model_len}: "
+                         f"no text over {limit} characters fits in that many tokens; shorten it, or set "
+                         f"truncate_prompt_tokens to keep its end")
 
 
 def _token_text(value: Any) -> str | None:
@@ -120,7 +154,7 @@ class LeanTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         if kwargs:  # truncation, padding, return_tensors, pairs...: transformers' job
             return self._full_tokenizer().encode(text, add_special_tokens=add_special_tokens, **kwargs)
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return rust_encode(self._tokenizer, text, add_special_tokens)
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
         if kwargs or self.clean_up_tokenization_spaces:

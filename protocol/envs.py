@@ -19,6 +19,21 @@ def _flag(name: str, default: bool) -> Callable[[], bool]:
     return read
 
 
+def _positive_int(name: str, default: int) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip():
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {raw!r}.")
+        return value
+    return read
+
+
 def _cache_dir() -> str:
     return os.environ.get("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
 
@@ -50,6 +65,13 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_ATTENTION_BACKEND": lambda: os.environ.get("TIDAL_ATTENTION_BACKEND", "auto"),
     # The key `tidal serve` requires as `Authorization: Bearer KEY` (--api-key wins; vLLM's VLLM_API_KEY).
     "TIDAL_API_KEY": lambda: os.environ.get("TIDAL_API_KEY") or None,
+    # Request limits (vLLM's VLLM_MAX_N_SEQUENCES and friends, same defaults): n per request (and
+    # prompts x n in a server request), prompts per /v1/completions request, stop strings and
+    # bad_words per server request. A request over one is refused (400) before any work.
+    "TIDAL_MAX_N_SEQUENCES": _positive_int("TIDAL_MAX_N_SEQUENCES", 16384),
+    "TIDAL_MAX_COMPLETION_PROMPTS": _positive_int("TIDAL_MAX_COMPLETION_PROMPTS", 1024),
+    "TIDAL_MAX_STOP_STRINGS": _positive_int("TIDAL_MAX_STOP_STRINGS", 4),
+    "TIDAL_MAX_NUM_BAD_WORDS": _positive_int("TIDAL_MAX_NUM_BAD_WORDS", 128),
     # The C compiler for the CPU kernels (None: cc or gcc on PATH).
     "CC": lambda: os.environ.get("CC") or None,
 }

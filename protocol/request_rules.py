@@ -77,6 +77,14 @@ def _check_logprobs(params: SamplingParams, limits: RequestLimits) -> str | None
     return None
 
 
+def _show(ids: list[int], shown: int = 8) -> str:
+    """Ids for an error message: all of a few, else the first ones and how many in all (a
+    request may carry 100,000, and the message goes back to its client)."""
+    if len(ids) <= shown:
+        return str(ids)
+    return f"{str(ids[:shown])[:-1]}, ...] ({len(ids)} in all)"
+
+
 def _out_of_range(ids: Iterable[int], vocab: int) -> list[int]:
     return [t for t in ids if not 0 <= t < vocab]
 
@@ -85,19 +93,19 @@ def _check_token_ids(params: SamplingParams, vocab: int) -> str | None:
     """Every token id the sampler will index with, checked against the vocabulary: from the
     wire, an id out of range must fail its request, never the sampler (and the engine)."""
     if bad := _out_of_range(params.stop_token_ids or (), vocab):
-        return (f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
+        return (f"token_id(s) {_show(bad)} in stop_token_ids contain out-of-vocab token ids. "
                 f"Vocabulary size: {vocab} (ids out of vocabulary range [0, {vocab}))")
     allowed = params.allowed_token_ids
     if allowed is not None and not allowed:
         return "allowed_token_ids is not None and empty!"
     if allowed is not None and (bad := _out_of_range(allowed, vocab)):
-        return f"allowed_token_ids contains out-of-vocab token id! {bad} not in [0, {vocab})"
+        return f"allowed_token_ids contains out-of-vocab token id! {_show(bad)} not in [0, {vocab})"
     if params.logit_bias and (bad := _out_of_range(params.logit_bias, vocab)):
-        return f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}"
+        return f"token_id(s) {_show(bad)} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}"
     sequences = params.bad_words_token_ids or ()
     if any(not seq for seq in sequences):
         return "bad_words token ids hold an empty sequence"
     if bad := _out_of_range((t for seq in sequences for t in seq), vocab):
         return (f"The model vocabulary size is {vocab}, but the following tokens were specified as "
-                f"bad: {bad}. All token id values should be integers satisfying: 0 <= token_id <= {vocab - 1}.")
+                f"bad: {_show(bad)}. All token id values should be integers satisfying: 0 <= token_id <= {vocab - 1}.")
     return None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tidal.protocol import envs
 from tidal.protocol.structured_outputs import StructuredOutputsParams
 from tidal.protocol.utils import GREEDY_EPS
 
@@ -182,6 +183,10 @@ class SamplingParams(
 
         if self.n < 1:
             raise bad("n", "must be at least 1")
+        # Each of the n is a request of its own in the engine: an unbounded n from one client
+        # would stall (or exhaust) the front-end and the core. vLLM's VLLM_MAX_N_SEQUENCES.
+        if self.n > (limit := envs.TIDAL_MAX_N_SEQUENCES):
+            raise bad("n", f"must be at most {limit} (TIDAL_MAX_N_SEQUENCES)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be in [-2, 2]")

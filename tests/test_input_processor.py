@@ -198,3 +198,75 @@ def test_whole_vocab_logprobs_within_unlimited_max_logprobs(tokenizer: Any) -> N
     ip = InputProcessor(tokenizer, max_model_len=MAX_LEN, vocab_size=len(tokenizer), max_logprobs=-1)
     req, _ = ip.process("a", "hi", SamplingParams(logprobs=-1, prompt_logprobs=-1))
     assert req.sampling_params.logprobs == -1
+
+
+# ------------------------------------------------------------------ long text prompts
+def _texts(tokenizer: Any) -> list[str]:
+    """Texts that pack many characters into few tokens, and the reverse."""
+    vocab = tokenizer.get_vocab()
+    longest = tokenizer.decode([vocab[max(vocab, key=len)]])  # its text (vocab keys spell bytes)
+    specials = "".join(tokenizer.all_special_tokens)
+    return ["ab " * 3000, "\u00e9\u4f60\U0001F600" * 1500, specials * 400, longest * 900,
+            "".join(chr(0x1100 + i % 19) + chr(0x1161 + i % 21) for i in range(3000))]  # Hangul jamo
+
+
+def test_prompt_char_limit_never_refuses_what_fits(tokenizer: Any) -> None:
+    """The bound a long text prompt is refused by, untokenized: it holds against the tokenizer's
+    own token counts on texts built to beat it (the longest token repeated, special tokens,
+    multibyte and composable characters)."""
+    from tidal.frontend.tokenizer import prompt_char_limit
+
+    for text in _texts(tokenizer):
+        n_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+        # Fits iff n_tokens <= max_model_len: the limit at exactly that length must admit it.
+        assert len(text) <= prompt_char_limit(tokenizer, n_tokens), (text[:20], n_tokens)
+
+
+def test_long_prompt_that_cannot_fit_is_refused_untokenized(ip: InputProcessor, tokenizer: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "ab " * 20000
+    assert len(tokenizer.encode(text)) > MAX_LEN  # the reference: it really does not fit
+    calls: list[int] = []
+    encode = ip._encode
+    monkeypatch.setattr(ip, "_encode", lambda t: calls.append(len(t)) or encode(t))
+    with pytest.raises(ValueError, match=rf"prompt of {len(text)} characters is too long for max_model_len {MAX_LEN}"):
+        ip.process("r", text, SamplingParams())
+    assert calls == []  # refused before tokenizing
+    # Asked to keep its end, it is tokenized and truncated like any other prompt.
+    req, _ = ip.process("r", text, SamplingParams(truncate_prompt_tokens=8))
+    assert req.prompt_token_ids == list(tokenizer.encode(text))[-8:] and calls == [len(text)]
+
+
+def test_long_text_encoding_releases_the_gil(tokenizer: Any) -> None:
+    """A long prompt is tokenized in a worker thread; `encode_batch` lets the event loop's thread
+    run meanwhile (`encode` holds the GIL throughout: the loop's thread then gets at most the
+    moments around the call), and gives the same ids."""
+    import threading
+    import time
+
+    from tidal.frontend.detokenizer import rust_backend
+    from tidal.frontend.tokenizer import LONG_TEXT_CHARS, rust_encode
+
+    backend = rust_backend(tokenizer)
+    text = "the quick brown fox " * 60000
+    assert len(text) > LONG_TEXT_CHARS
+
+    def spin(seconds: float, done: threading.Event | None = None) -> int:
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end and not (done is not None and done.is_set()):
+            n += 1
+        return n
+
+    rate = spin(0.1) / 0.1  # spins per second with the GIL to itself
+    done, result = threading.Event(), []
+    worker = threading.Thread(target=lambda: (result.append(rust_encode(backend, text)), done.set()))
+    t0 = time.perf_counter()
+    worker.start()
+    spins = spin(60.0, done)
+    seconds = time.perf_counter() - t0
+    worker.join()
+    assert result[0] == backend.encode(text).ids
+    assert seconds > 0.2, "the text encodes too fast to tell"
+    # Released: the spinning thread keeps most of its pace (it shares 2 cores with the worker);
+    # held: it would only spin before the call starts and after it ends.
+    assert spins > 0.25 * rate * seconds, (spins, rate, seconds)

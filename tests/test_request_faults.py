@@ -54,6 +54,20 @@ def test_bad_values_are_value_errors(kwargs: dict[str, Any]) -> None:
         SamplingParams(**kwargs)
 
 
+def test_n_is_bounded_by_tidal_max_n_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's VLLM_MAX_N_SEQUENCES (default 16384): n = 2**31 stalled the whole server."""
+    assert SamplingParams(n=16384).n == 16384
+    with pytest.raises(ValueError, match=r"n must be at most 16384 \(TIDAL_MAX_N_SEQUENCES\), got 2147483648"):
+        SamplingParams(n=2**31)
+    monkeypatch.setenv("TIDAL_MAX_N_SEQUENCES", "3")
+    assert SamplingParams(n=3).n == 3
+    with pytest.raises(ValueError, match="at most 3"):
+        SamplingParams(n=4)
+    monkeypatch.setenv("TIDAL_MAX_N_SEQUENCES", "many")
+    with pytest.raises(ValueError, match="TIDAL_MAX_N_SEQUENCES must be a positive integer, got 'many'"):
+        SamplingParams(n=1)
+
+
 def test_accepted_values_travel_as_the_wire_types() -> None:
     p = SamplingParams(n=np.int64(2), seed=np.int32(7), max_tokens=np.int64(5), top_k=np.int16(3),
                        temperature=np.float32(0.5), top_p=1, presence_penalty=np.float64(0.5),
@@ -85,8 +99,9 @@ def test_params_changed_after_construction_fail_in_the_input_processor(tiny_inpu
             tiny_input_processor.process("r", {"prompt_token_ids": [1, 2]}, params)
 
 
-def test_drawn_seeds_leave_room_for_the_children(tiny_input_processor: Any) -> None:
+def test_drawn_seeds_leave_room_for_the_children(tiny_input_processor: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     n = 1 << 40
+    monkeypatch.setenv("TIDAL_MAX_N_SEQUENCES", str(n))  # far past the default, for the seed arithmetic
     for _ in range(20):
         req, _ = tiny_input_processor.process("r", {"prompt_token_ids": [1]}, SamplingParams(n=n))
         assert 0 <= req.sampling_params.seed <= INT64_MAX - (n - 1)

@@ -211,6 +211,24 @@ def test_curl_stream_is_openai_sse(server: Server) -> None:
     assert all(e.startswith(b'data: {"id":"cmpl-') for e in events[:-2])
 
 
+def test_a_prompt_too_long_to_fit_is_refused_untokenized(server: Server, tiny_model_dir: str) -> None:
+    """A text past what max_model_len tokens could hold is a 400 at once (tokenizing megabytes
+    took seconds); with truncate_prompt_tokens its end is served."""
+    from transformers import AutoTokenizer
+
+    text = "ab " * 100_000
+    assert len(AutoTokenizer.from_pretrained(tiny_model_dir)(text)["input_ids"]) > MAX_MODEL_LEN  # the reference
+    status, body = post_json(server.url + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert f"prompt of {len(text)} characters is too long for max_model_len {MAX_MODEL_LEN}" in body["error"]["message"]
+    status, body = post_json(server.url + "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": text}]})
+    assert status == 400 and body["error"]["param"] == "messages"
+    res = server.client().completions.create(model="tiny", prompt=text, max_tokens=2,
+                                             extra_body={"truncate_prompt_tokens": 8})
+    assert res.usage.prompt_tokens == 8 and res.usage.completion_tokens == 2
+
+
 def test_bench_client_reads_what_the_openai_client_reads(server: Server) -> None:
     """scripts/sse_client.py (bench_serving's client): exact usage and one timing per content
     chunk (the server merges the deltas of a reader that falls behind, so the count is at most

@@ -22,6 +22,8 @@ from tests.server_utils import (
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 4096
+# Request limits lowered (stop strings keep their default, 4) so that requests over them fit the body limit.
+LIMITS_ENV = {"TIDAL_MAX_COMPLETION_PROMPTS": "3", "TIDAL_MAX_N_SEQUENCES": "6", "TIDAL_MAX_NUM_BAD_WORDS": "2"}
 FLAGS = ["--model-runner", "null", "--max-model-len", "256", "--num-kv-blocks", "128"]
 
 
@@ -30,7 +32,7 @@ def server(tiny_model_dir: str, tidal_cache_dir: str, tmp_path_factory: pytest.T
     """A keyed server whose model has no chat template, with a small body limit."""
     model = model_without_chat_template(tiny_model_dir, str(tmp_path_factory.mktemp("no-tpl") / "m"))
     srv = Server(model, [*FLAGS, "--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "m"],
-                 tidal_cache_dir, env={"TIDAL_API_KEY": KEY})
+                 tidal_cache_dir, env={"TIDAL_API_KEY": KEY, **LIMITS_ENV})
     yield srv
     srv.stop()
 
@@ -71,6 +73,29 @@ def test_validation_errors_are_400(server: Server, body: dict, param: str | None
     assert resp["error"]["type"] == "BadRequestError"  # type: ignore[index]
     if param is not None:
         assert resp["error"]["param"] == param  # type: ignore[index]
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", {"prompt": [[1], [2], [3], [4]]}, "prompt", "at most 3 prompts per request"),
+    ("/v1/completions", {"prompt": ["a", "b", "c", "d"]}, "prompt", "at most 3 prompts per request"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 7}, "n", "prompts x n must be at most 6"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 4}, "n", "got 2 x 4"),
+    ("/v1/completions", {"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, "stop", "at most 4 stop strings"),
+    ("/v1/completions", {"prompt": "a", "bad_words": ["x", "y", "z"]}, "bad_words", "at most 2 bad_words"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 7}, "n",
+     "prompts x n must be at most 6"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stop": list("abcde")}, "stop",
+     "at most 4 stop strings"),
+])
+def test_requests_over_the_limits_are_400(server: Server, path: str, body: dict, param: str, words: str) -> None:
+    """TIDAL_MAX_* (set for this server): refused before any work, naming the field and the limit;
+    at the limit, the request is served."""
+    status, resp = post_json(server.url + path, body, AUTH)
+    assert_openai_error(status, resp, 400)
+    assert resp["error"]["param"] == param and words in resp["error"]["message"]  # type: ignore[index]
+    status, resp = completions(server, {"prompt": [[1], [2], [3]], "n": 2, "stop": list("abcd"),
+                                        "bad_words": ["x", "y"], "max_tokens": 2})
+    assert status == 200 and len(resp["choices"]) == 6  # type: ignore[index]
 
 
 def test_malformed_json_is_400(server: Server) -> None:

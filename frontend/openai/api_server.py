@@ -38,6 +38,7 @@ from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.engine_args import AsyncEngineArgs
 from tidal.frontend.openai.cli_args import load_chat_template
 from tidal.frontend.openai.errors import APIError, from_exception
+from tidal.frontend.openai.limits import RequestSizeLimits
 from tidal.frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -294,6 +295,7 @@ def served_names(engine_args: AsyncEngineArgs) -> list[str]:
 async def run_server(args: Any) -> None:
     """Start the engine, serve until SIGINT/SIGTERM, shut everything down."""
     check_server_flags(args)
+    limits = RequestSizeLimits.from_env()
     template = load_chat_template(args.chat_template)
     server_kwargs = uvicorn_kwargs(args)
     apply_log_config(args)  # before the engine starts its processes: they inherit it
@@ -302,7 +304,7 @@ async def run_server(args: Any) -> None:
     try:
         ctx = ServingContext(engine, served_names(engine_args), template, ChatOptions(
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
-            args.enable_force_include_usage))
+            args.enable_force_include_usage), limits)
         app = build_app(ctx, api_key=args.api_key or envs.TIDAL_API_KEY, max_body_bytes=args.max_request_body_bytes,
                         flags=args)
         config = uvicorn.Config(app, http="httptools", lifespan="on", log_level=args.uvicorn_log_level,

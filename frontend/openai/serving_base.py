@@ -18,20 +18,20 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.openai.errors import APIError, ErrorResponse, from_exception
+from tidal.frontend.openai.limits import RequestSizeLimits
 from tidal.frontend.openai.protocol import (
     PromptLogprob,
     PromptLogprobs,
     SamplingFields,
     StreamHeader,
 )
+from tidal.frontend.tokenizer import LONG_TEXT_CHARS, check_prompt_chars, prompt_char_limit
 from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tidal.protocol.structured_outputs import CONSTRAINTS, StructuredOutputsParams
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
-# Longer prompts (characters) are tokenized in a worker thread, so the loop keeps serving.
-_THREAD_TOKENIZE_CHARS = 2000
 _encode = msgspec.json.encode
 
 
@@ -92,14 +92,16 @@ class ServingContext:
     """The engine and what every endpoint reads about the model it serves."""
 
     def __init__(self, engine: AsyncLLM, served_names: Sequence[str], chat_template: str | None,
-                 options: ChatOptions | None = None) -> None:
+                 options: ChatOptions | None = None, limits: RequestSizeLimits | None = None) -> None:
         self.engine = engine
         self.options = options or ChatOptions()
+        self.limits = limits or RequestSizeLimits()
         self.tokenizer: Any = engine.tokenizer
         self.served_names = list(served_names)
         self.model_path: str = engine.config.model
         self.max_model_len: int = engine.model_config.max_model_len
         self.chat_template = chat_template
+        self._char_limit: int | None = None  # prompt_char_limit, computed on the first long text
 
     def model_name(self, requested: str | None) -> str:
         """The name to report; 404 for a model this server does not serve."""
@@ -114,11 +116,22 @@ class ServingContext:
             raise APIError("this endpoint needs a tokenizer (the server runs with skip_tokenizer_init)")
         return self.tokenizer
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, truncate: int | None = None,
+                     param: str = "prompt") -> list[int]:
+        """Token ids of a prompt's text. Long texts are tokenized in a worker thread (with the
+        GIL released: see LONG_TEXT_CHARS); one that cannot fit is a 400 before any of that,
+        unless `truncate` (truncate_prompt_tokens) asks for its end."""
         tok = self.needs_tokenizer()
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
-        return list(tok.encode(text, add_special_tokens=add_special_tokens))
+        if len(text) <= LONG_TEXT_CHARS:
+            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+        if truncate is None:
+            if self._char_limit is None:
+                self._char_limit = prompt_char_limit(tok, self.max_model_len)
+            try:
+                check_prompt_chars(len(text), self._char_limit, self.max_model_len)
+            except ValueError as e:
+                raise APIError(str(e), HTTPStatus.BAD_REQUEST, param) from None
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, truncate: int | None) -> int | None:
         """max_tokens for the engine: as asked, or what the context window leaves (None);

@@ -143,10 +143,11 @@ class ChatHandler:
         if req.top_logprobs and not req.logprobs:
             raise APIError("when using `top_logprobs`, `logprobs` must be set to true.",
                            HTTPStatus.BAD_REQUEST, "top_logprobs")
+        ctx.limits.check(1, req.n, req.stop, req.bad_words)
         text = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
-        ids = truncated(await ctx.encode(text, req.add_special_tokens), req.truncate_prompt_tokens,
-                        ctx.max_model_len)
+        ids = truncated(await ctx.encode(text, req.add_special_tokens, req.truncate_prompt_tokens, "messages"),
+                        req.truncate_prompt_tokens, ctx.max_model_len)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = ctx.resolve_max_tokens(len(ids), asked, None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

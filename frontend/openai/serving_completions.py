@@ -47,6 +47,14 @@ _encode = msgspec.json.encode
 Prompt = tuple[str | None, list[int]]  # (text, token ids)
 
 
+def _num_prompts(p: object) -> int:
+    """Prompts in a completions `prompt`: a list of strings or of token-id lists is several;
+    a string or one token-id list is one."""
+    if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
+        return len(p)
+    return 1
+
+
 async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
     """The request's prompts, tokenized (text kept for echo and RequestOutput.prompt)."""
     p = req.prompt
@@ -54,13 +62,13 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
         raise APIError("Either prompt or prompt_embeds must be provided and non-empty.",
                        HTTPStatus.BAD_REQUEST, "prompt")
     if isinstance(p, str):
-        return [(p, await ctx.encode(p, req.add_special_tokens))]
+        return [(p, await ctx.encode(p, req.add_special_tokens, req.truncate_prompt_tokens))]
     if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return [(None, list(p))]
     prompts: list[Prompt] = []
     for item in p:
         if isinstance(item, str):
-            prompts.append((item, await ctx.encode(item, req.add_special_tokens)))
+            prompts.append((item, await ctx.encode(item, req.add_special_tokens, req.truncate_prompt_tokens)))
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             prompts.append((None, item))
         else:
@@ -118,6 +126,7 @@ class CompletionsHandler:
         model = ctx.model_name(req.model)
         if req.suffix:
             raise APIError("suffix is not supported", HTTPStatus.BAD_REQUEST, "suffix")
+        ctx.limits.check(_num_prompts(req.prompt), req.n, req.stop, req.bad_words)
         prompts = await completion_prompts(ctx, req)
         logprobs, prompt_lps = _logprob_params(req)
         rid = new_id("cmpl")
