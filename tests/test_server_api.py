@@ -262,3 +262,26 @@ def test_bench_client_reads_what_the_openai_client_reads(server: Server) -> None
         for a, b in zip([0, *cuts], [*cuts, len(raw)]):
             got += parser.feed(raw[a:b])
         assert got == events and parser.done and parser.status() == 200
+
+
+def test_chat_renders_off_the_event_loop(tiny_model_dir: str) -> None:
+    """The template renders in a worker thread (jinja2 is Python: 100,000 messages took seconds,
+    and the first render loads transformers' tokenizer), into the same text as on the loop."""
+    import threading
+    from types import SimpleNamespace
+
+    from tidal.frontend.openai.serving_base import ServingContext
+    from tidal.frontend.openai.serving_chat import render_chat
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    threads: list[threading.Thread] = []
+    render = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **k: threads.append(threading.current_thread()) or render(*a, **k)
+    engine = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(model=tiny_model_dir),
+                             model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+    ctx = ServingContext(engine, ["tiny"], CHAT_TEMPLATE)  # type: ignore[arg-type]
+    text = asyncio.run(render_chat(ctx, MESSAGES, add_generation_prompt=True, continue_final_message=False,
+                                   kwargs=None))
+    assert threads and threads[0] is not threading.main_thread()
+    assert text == render(MESSAGES, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)

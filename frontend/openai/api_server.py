@@ -164,7 +164,7 @@ class Routes:
         ctx.model_name(req.model)
         tok = ctx.needs_tokenizer()
         if req.messages is not None:
-            text = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+            text = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
             special = bool(req.add_special_tokens)
         elif req.prompt is not None:

@@ -7,6 +7,7 @@ passed as `chat_template` when the server was given one.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -90,9 +91,11 @@ def normalize_messages(messages: list[dict[str, Any]], content_format: str = "st
     return out
 
 
-def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                continue_final_message: bool, kwargs: dict[str, Any] | None) -> str:
-    """The prompt text of `messages`; 400 when there is no template or it fails on them."""
+async def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                      continue_final_message: bool, kwargs: dict[str, Any] | None) -> str:
+    """The prompt text of `messages`; 400 when there is no template or it fails on them.
+    Rendered in a worker thread: jinja2 is Python (100,000 messages took seconds), and the first
+    render loads transformers' tokenizer; the event loop's thread keeps its share of the GIL."""
     tok = ctx.needs_tokenizer()
     template = ctx.chat_template or getattr(tok, "chat_template", None)
     if not template:
@@ -102,10 +105,10 @@ def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_gene
                        HTTPStatus.BAD_REQUEST, "continue_final_message")
     try:
         options = ctx.options
-        text = tok.apply_chat_template(normalize_messages(messages, options.content_format), chat_template=template,
-                                       tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message,
-                                       **{**options.default_template_kwargs, **(kwargs or {})})
+        text = await asyncio.to_thread(
+            tok.apply_chat_template, normalize_messages(messages, options.content_format), chat_template=template,
+            tokenize=False, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **{**options.default_template_kwargs, **(kwargs or {})})
     except APIError:
         raise
     except Exception as e:  # jinja2 errors, raise_exception() in the template, bad kwargs
@@ -144,7 +147,7 @@ class ChatHandler:
             raise APIError("when using `top_logprobs`, `logprobs` must be set to true.",
                            HTTPStatus.BAD_REQUEST, "top_logprobs")
         ctx.limits.check(1, req.n, req.stop, req.bad_words)
-        text = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+        text = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
         ids = truncated(await ctx.encode(text, req.add_special_tokens, req.truncate_prompt_tokens, "messages"),
                         req.truncate_prompt_tokens, ctx.max_model_len)
