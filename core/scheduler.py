@@ -32,11 +32,13 @@ from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.quarantine import Quarantine
 from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.core.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from tidal.core.structured_output import GrammarConflictError
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import (
     CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
+    ErrorKind,
     FinishReason,
     LogprobsArrays,
     ModelRunnerOutput,
@@ -376,7 +378,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ERROR
         if request.request_id in self.requests:  # not freed before it raised
             self._free_request(request)
-        return EngineCoreOutput(request.request_id, finish_reason=FinishReason.ERROR, error=error)
+        kind = ErrorKind.INVALID if isinstance(e, GrammarConflictError) else ErrorKind.REQUEST
+        return EngineCoreOutput(request.request_id, finish_reason=FinishReason.ERROR, error=error, error_kind=kind)
 
     def _append_and_check_stop(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens one by one until a stop; returns those kept."""

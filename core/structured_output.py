@@ -48,6 +48,11 @@ _MAX_CACHED_GRAMMARS = 64
 _XGRAMMAR_CACHE_BYTES = 512 << 20  # vLLM's default (VLLM_XGRAMMAR_CACHE_MB=512)
 
 
+class GrammarConflictError(ValueError):
+    """The grammar forbids the token sampled under the request's own other settings: they
+    masked every token the grammar allows. The request's mistake (HTTP 400), not the engine's."""
+
+
 class StructuredOutputRequest:
     """One request's grammar: the compile's future, then its matcher (busy-loop thread only)."""
 
@@ -65,7 +70,7 @@ class StructuredOutputRequest:
         (the mask allowed it, so only a row whose every allowed token was masked by something
         else, e.g. min_tokens forbidding the EOS that ends the grammar, gets here)."""
         if not self.matcher.accept_token(token_id):
-            raise ValueError(
+            raise GrammarConflictError(
                 f"token {token_id} is not allowed by the request's structured output grammar "
                 f"({self.params.kind}); another setting (min_tokens, allowed_token_ids, bad_words) "
                 "may have masked every token the grammar allows")

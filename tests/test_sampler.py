@@ -373,3 +373,22 @@ def test_build_skips_unused_knobs() -> None:
     assert md.prompt_token_ids is not None and md.prompt_token_ids.tolist() == [[1, 2, 3], [4, V, V]]
     assert md.presence_penalties is None and md.repetition_penalties is not None
     assert md.max_num_logprobs == 5 and not md.no_penalties
+
+
+def test_temperatures_past_float32_sample_uniformly_from_what_is_allowed() -> None:
+    """1e308 is a valid temperature: 1 / T underflowed float32 and masked (-inf) logits became
+    NaN, so a token outside allowed_token_ids (or a structured-output grammar) was drawn. Any T
+    that hot is uniform over the allowed tokens; processed logprobs stay finite there too."""
+    allowed = [5, 9, 11]
+    logits = make_logits(1, seed=4)
+    for t in (1e30, 1e100, 1e308):
+        drawn = Counter()
+        for seed in range(60):
+            md = build([SamplingParams(temperature=t, allowed_token_ids=allowed, seed=seed)])
+            drawn[int(Sampler()(logits.clone(), md).sampled_token_ids[0])] += 1
+        assert set(drawn) == set(allowed), (t, drawn)
+        md = SamplingMetadata.build([SamplingParams(temperature=t, allowed_token_ids=allowed, seed=0, logprobs=2)],
+                                    [[1, 2]], [[]], [2], [EOS], V, "cpu", logprobs_mode="processed_logprobs")
+        lp = Sampler()(logits.clone(), md).logprobs
+        assert lp is not None and torch.isfinite(lp.logprobs).all()
+        torch.testing.assert_close(lp.logprobs[0], torch.full((3,), -np.log(3.0)))  # uniform over 3

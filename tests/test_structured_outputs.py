@@ -221,6 +221,19 @@ def test_bad_spec_fails_its_request_alone(tiny_model_dir: str, llm: LLM, monkeyp
     assert re.fullmatch(DATE, ok.outputs[0].text)
 
 
+def test_constraints_that_exclude_the_grammar_are_the_requests_error(llm: LLM) -> None:
+    """allowed_token_ids that leave no token the grammar allows: the request fails alone as
+    invalid (InvalidRequestError, a ValueError: HTTP 400), not as an engine failure (500)."""
+    from tidal.protocol import InvalidRequestError
+
+    params = _sp(1, choice=["yes", "no"])
+    params.allowed_token_ids = [EOS]
+    with pytest.raises(InvalidRequestError, match="another setting .* may have masked every token"):
+        llm.generate(PROMPT, params, use_tqdm=False)
+    (ok,) = llm.generate(PROMPT, _sp(1, choice=["yes", "no"]), use_tqdm=False)
+    assert ok.outputs[0].text in ("yes", "no")
+
+
 @pytest.mark.parametrize("vocab, words", [(70, 3), (1000, 32), (1000, 30)])  # 30 words: bits missing
 def test_bitmask_applied_exactly_by_both_paths(vocab: int, words: int) -> None:
     import numpy as np

@@ -33,6 +33,10 @@ from tidal.worker.logits_processors import (WEIGHT_FLOOR, Cutoffs, TokenRules, a
 # batch): the per-row rescale by 1/omega then stays < 2^100 and float32 block sums cannot overflow.
 _BELOW_ONE = 1.0 - 2.0**-24  # largest float32 < 1: `w > _BELOW_ONE` is exactly `w >= 1`
 _LOG2E = 1.4426950408889634
+# Hotter temperatures sample as this one: in float32 every allowed token's weight is already 1
+# (uniform), while 1 / T stays a normal number, so masked tokens (-inf logits) keep weight 0.
+# A temperature past float32's range (1e308 is a valid request) made that product NaN.
+MAX_TEMPERATURE = 1e30
 _PREFILTER_BLOCK = 64  # block size of the argmax / top-k prefilters
 _PROMPT_CHUNK_ELEMS = 1 << 25  # prompt logprobs: rows per chunk * V, bounds the float32 copy
 
@@ -138,7 +142,8 @@ class SamplingMetadata:
         mixed = any(greedy) and not all(greedy)
         random_rows = [i for i, g in enumerate(greedy) if not g] if mixed else None
         return SamplingMetadata(
-            temperature=device_tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
+            temperature=device_tensor([0.0 if g else min(p.temperature, MAX_TEMPERATURE)
+                                       for p, g in zip(params, greedy)],
                                       torch.float32, device),
             all_greedy=all(greedy), all_random=not any(greedy), top_k=top_k, top_p=top_p, min_p=min_p,
             seeds=device_tensor(seeds, torch.int64, device),
