@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.server_utils import CHAT_TEMPLATE, Server, http_get, post_json
+from tests.server_utils import CHAT_TEMPLATE, Server, http_get, post_json, wait_for
 
 MAX_MODEL_LEN = 512
 ENGINE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512", "--max-num-seqs", "64"]
@@ -285,3 +285,43 @@ def test_chat_renders_off_the_event_loop(tiny_model_dir: str) -> None:
                                    kwargs=None))
     assert threads and threads[0] is not threading.main_thread()
     assert text == render(MESSAGES, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)
+
+
+FUZZ_VALUES: list[Any] = [None, -1, 0, 1, 3, 255, 2**31, 2**63, 1e308, -0.5, 0.5, 2.0, "", "x", [], [1], [-1], [600],
+                          ["a", "b"], [[1, 2]], {}, {"a": 1}, {"1": 5.0}, True, "\U0001F600", "<|im_start|>"]
+
+
+def test_random_request_bodies_never_break_the_server(server: Server) -> None:
+    """Seeded random values in every request field (completions, chat, tokenize; streamed and
+    not): each answer is a 200 (a stream ending in [DONE]) or an OpenAI-shaped 4xx, never a 5xx
+    or silence, and afterwards the server is healthy, idle, and serves a plain request."""
+    import json
+    import random
+
+    import msgspec
+
+    from tests.server_utils import http_request
+    from tidal.frontend.openai import protocol as P
+
+    rng = random.Random(0)
+    kinds = [("/v1/completions", P.CompletionRequest, {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+             ("/v1/chat/completions", P.ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}),
+             ("/tokenize", P.TokenizeRequest, {"prompt": "hi"})]
+    for _ in range(200):
+        path, cls, base = rng.choice(kinds)
+        body = dict(base)
+        for name in rng.sample([f.encode_name for f in msgspec.structs.fields(cls)], rng.randint(1, 3)):
+            body[name] = rng.choice(FUZZ_VALUES)
+        stream = path != "/tokenize" and body.get("stream") is not True and rng.random() < 0.5
+        if stream:
+            body["stream"] = True
+        status, raw = http_request("POST", server.url + path, json.dumps(body).encode(), timeout=60)
+        where = f"{path} {json.dumps(body)[:200]} -> {status} {raw[:200]!r}"
+        assert status == 200 or 400 <= status < 500, where
+        if status != 200:
+            assert set(json.loads(raw)["error"]) >= {"message", "type", "param", "code"}, where
+        elif body.get("stream") is True:
+            assert raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw, where
+    assert http_get(server.url + "/health")[0] == 200
+    wait_for(lambda: server.metrics()["tidal:num_requests_running"] == 0, 30, "the core to be idle")
+    assert server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=3).usage.completion_tokens > 0

@@ -79,6 +79,7 @@ def test_validation_errors_are_400(server: Server, body: dict, param: str | None
     ("/v1/completions", {"prompt": [[1], [2], [3], [4]]}, "prompt", "at most 3 prompts per request"),
     ("/v1/completions", {"prompt": ["a", "b", "c", "d"]}, "prompt", "at most 3 prompts per request"),
     ("/v1/completions", {"prompt": [1, 2], "n": 7}, "n", "prompts x n must be at most 6"),
+    ("/v1/completions", {"prompt": "a", "n": 2**31}, "n", "prompts x n must be at most 6"),  # it hung the server
     ("/v1/completions", {"prompt": ["a", "b"], "n": 4}, "n", "got 2 x 4"),
     ("/v1/completions", {"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, "stop", "at most 4 stop strings"),
     ("/v1/completions", {"prompt": "a", "bad_words": ["x", "y", "z"]}, "bad_words", "at most 2 bad_words"),
