@@ -279,7 +279,8 @@ def test_chat_renders_off_the_event_loop(tiny_model_dir: str) -> None:
     render = tok.apply_chat_template
     tok.apply_chat_template = lambda *a, **k: threads.append(threading.current_thread()) or render(*a, **k)
     engine = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(model=tiny_model_dir),
-                             model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+                             model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN),
+                             info=SimpleNamespace(vocab_size=len(tok)))
     ctx = ServingContext(engine, ["tiny"], CHAT_TEMPLATE)  # type: ignore[arg-type]
     text = asyncio.run(render_chat(ctx, MESSAGES, add_generation_prompt=True, continue_final_message=False,
                                    kwargs=None))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from tidal.frontend.openai.errors import APIError
+from tidal.frontend.openai.protocol import SamplingFields
 from tidal.protocol import envs
 
 
@@ -29,17 +30,24 @@ class RequestSizeLimits:
         return cls(envs.TIDAL_MAX_COMPLETION_PROMPTS, envs.TIDAL_MAX_N_SEQUENCES, envs.TIDAL_MAX_STOP_STRINGS,
                    envs.TIDAL_MAX_NUM_BAD_WORDS)
 
-    def check(self, num_prompts: int, n: object, stop: object, bad_words: object) -> None:
-        """400 naming the field and the limit when a request asks for more than these."""
+    def check(self, num_prompts: int, req: SamplingFields, vocab_size: int) -> None:
+        """400 naming the field and the limit when a request asks for more than these. Token-id
+        collections longer than the vocabulary (which must repeat or leave it) are refused too:
+        2,000,000 logit_bias entries took 17 s to check, stalling every stream meanwhile."""
         if num_prompts > self.max_prompts:
             raise APIError(f"at most {self.max_prompts} prompts per request (TIDAL_MAX_COMPLETION_PROMPTS), "
                            f"got {num_prompts}", HTTPStatus.BAD_REQUEST, "prompt")
-        if isinstance(n, int) and num_prompts * n > self.max_sequences:
+        if isinstance(req.n, int) and num_prompts * req.n > self.max_sequences:
             raise APIError(f"prompts x n must be at most {self.max_sequences} (TIDAL_MAX_N_SEQUENCES), got "
-                           f"{num_prompts} x {n}", HTTPStatus.BAD_REQUEST, "n")
-        if isinstance(stop, list) and len(stop) > self.max_stop_strings:
+                           f"{num_prompts} x {req.n}", HTTPStatus.BAD_REQUEST, "n")
+        if isinstance(req.stop, list) and len(req.stop) > self.max_stop_strings:
             raise APIError(f"at most {self.max_stop_strings} stop strings (TIDAL_MAX_STOP_STRINGS), got "
-                           f"{len(stop)}", HTTPStatus.BAD_REQUEST, "stop")
-        if isinstance(bad_words, list) and len(bad_words) > self.max_bad_words:
+                           f"{len(req.stop)}", HTTPStatus.BAD_REQUEST, "stop")
+        if req.bad_words is not None and len(req.bad_words) > self.max_bad_words:
             raise APIError(f"at most {self.max_bad_words} bad_words (TIDAL_MAX_NUM_BAD_WORDS), got "
-                           f"{len(bad_words)}", HTTPStatus.BAD_REQUEST, "bad_words")
+                           f"{len(req.bad_words)}", HTTPStatus.BAD_REQUEST, "bad_words")
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            ids = getattr(req, name)
+            if ids is not None and len(ids) > vocab_size:
+                raise APIError(f"{name} has {len(ids)} entries, more than the vocabulary's {vocab_size} tokens",
+                               HTTPStatus.BAD_REQUEST, name)

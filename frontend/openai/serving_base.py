@@ -100,6 +100,7 @@ class ServingContext:
         self.served_names = list(served_names)
         self.model_path: str = engine.config.model
         self.max_model_len: int = engine.model_config.max_model_len
+        self.vocab_size: int = engine.info.vocab_size
         self.chat_template = chat_template
         self._char_limit: int | None = None  # prompt_char_limit, computed on the first long text
 

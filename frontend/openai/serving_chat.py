@@ -146,7 +146,7 @@ class ChatHandler:
         if req.top_logprobs and not req.logprobs:
             raise APIError("when using `top_logprobs`, `logprobs` must be set to true.",
                            HTTPStatus.BAD_REQUEST, "top_logprobs")
-        ctx.limits.check(1, req.n, req.stop, req.bad_words)
+        ctx.limits.check(1, req, ctx.vocab_size)
         text = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
         ids = truncated(await ctx.encode(text, req.add_special_tokens, req.truncate_prompt_tokens, "messages"),

@@ -126,7 +126,7 @@ class CompletionsHandler:
         model = ctx.model_name(req.model)
         if req.suffix:
             raise APIError("suffix is not supported", HTTPStatus.BAD_REQUEST, "suffix")
-        ctx.limits.check(_num_prompts(req.prompt), req.n, req.stop, req.bad_words)
+        ctx.limits.check(_num_prompts(req.prompt), req, ctx.vocab_size)
         prompts = await completion_prompts(ctx, req)
         logprobs, prompt_lps = _logprob_params(req)
         rid = new_id("cmpl")
