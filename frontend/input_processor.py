@@ -69,7 +69,9 @@ class InputProcessor:
                 pass
         elif backend is not None:
             self._encode = lambda text: rust_encode(backend, text)
-        self._char_limit: int | None = None  # prompt_char_limit, computed on the first text prompt
+        # prompt_char_limit, computed on the first long untruncated text prompt (not at start-up:
+        # a pass over the vocabulary; a race between two threads computes the same value twice).
+        self._char_limit: int | None = None
 
     # ------------------------------------------------------------------ prompts
     def _parse_prompt(self, prompt: str | dict) -> tuple[str | None, list[int] | None]:
@@ -137,17 +139,18 @@ class InputProcessor:
                 sequences.append(spaced)
         return sequences
 
-    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens as vLLM: the last `keep` tokens (-1: max_model_len)."""
+    def _truncate_length(self, keep: int | None) -> int | None:
+        """The tokens truncate_prompt_tokens keeps, as vLLM (-1: max_model_len; None: all);
+        checked before tokenizing, so a bad value costs nothing."""
         if keep is None:
-            return ids
+            return None
         max_len = self.limits.max_model_len
         if keep == -1:
-            keep = max_len
+            return max_len
         if keep > max_len:
             raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
                              f"({max_len}). Please, select a smaller truncation size.")
-        return ids[-keep:]
+        return keep
 
     # ------------------------------------------------------------------ process
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams,
@@ -160,15 +163,17 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._parse_prompt(prompt)
-        if ids is None:
-            ids = self._tokenize(text, params.truncate_prompt_tokens is not None)  # type: ignore[arg-type]
         # The clone re-runs SamplingParams' checks: params changed after construction (structs
         # are mutable) are caught here too, before anything is registered or sent. The
         # front-end's own changes then go into this private copy, checked by check_request.
         params = params.clone()
+        keep = self._truncate_length(params.truncate_prompt_tokens)
+        if ids is None:
+            ids = self._tokenize(text, keep is not None)  # type: ignore[arg-type]
         for name, value in self._changes(params).items():
             setattr(params, name, value)
-        ids = self._truncate(ids, params.truncate_prompt_tokens)
+        if keep is not None:
+            ids = ids[-keep:]
         problem = check_request(ids, params, self.limits, self.eos_token_id, priority)
         if problem is not None:
             raise ValueError(problem)

@@ -29,8 +29,8 @@ _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token
 # and by `encode_batch`, which releases the GIL while it works (`encode` holds it: a thread
 # encoding a 20 MB prompt with `encode` stalled every stream of the server for 35 s).
 LONG_TEXT_CHARS = 2000
-# Normalizers shrink text by at most this factor in practice (NFC composes up to three code
-# points into one Hangul syllable); see prompt_char_limit.
+# Unicode normalization shrinks text by at most this factor (NFC composes up to four code points
+# into one, e.g. U+1F82); see prompt_char_limit.
 _NORMALIZER_SHRINK = 4
 
 
@@ -45,10 +45,12 @@ def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int:
     """Characters beyond which a text prompt cannot fit in `max_model_len` tokens, so it is
     refused without tokenizing it (which would cost seconds per megabyte). One token covers at
     most as many characters as its longest vocabulary entry (added tokens included; byte-level
-    entries spell one character per byte, so they overstate), and normalization shrinks text by
-    at most _NORMALIZER_SHRINK: no prompt that fits is refused. (A normalizer that deletes
-    characters outright, such as BERT's control-character cleaning, could in principle make a
-    prompt of little else fit past the bound; refusing such a prompt is no loss.)"""
+    entries spell one character per byte, so they overstate), and Unicode normalization shrinks
+    text by at most _NORMALIZER_SHRINK: no prompt that fits is refused, for tokenizers that keep
+    every character (byte-level BPE, SentencePiece). Those that drop some (BERT's whitespace
+    pre-tokenizer, T5's collapsing of repeated spaces, control-character cleaning) could refuse
+    a prompt made mostly of what they drop. The bound is loose (the longest token x 4): it stops
+    megabytes, not a prompt a few times too long, which tokenizes fast enough."""
     longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
     return max_model_len * max(longest, 1) * _NORMALIZER_SHRINK
 

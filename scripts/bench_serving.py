@@ -85,9 +85,10 @@ def compute_metrics(results: list[Result], requests: list[Request], duration_s: 
     }
 
 
-async def run_client(base: str, requests: list[Request], args: argparse.Namespace
-                     ) -> tuple[list[Result], float, float]:
-    """(results, seconds, client CPU seconds) of the timed requests (not the set-up before them)."""
+async def run_client(base: str, requests: list[Request], args: argparse.Namespace, server_pid: int
+                     ) -> tuple[list[Result], float, tuple[float, float, float]]:
+    """(results, seconds, CPU seconds of the client, the server's front-end and its core) over
+    the timed requests (not the set-up before them: /v1/models, the warm-up request)."""
     key = os.environ.get("TIDAL_API_KEY")  # the server inherits it, so it would demand it
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
@@ -105,9 +106,12 @@ async def run_client(base: str, requests: list[Request], args: argparse.Namespac
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         return await send(host, port, "/v1/completions", auth, model, req, args.temperature, args.request_timeout)
 
+    server0 = server_cpu_s(server_pid)
     t0, cpu0 = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets, strict=True)))
-    return list(results), time.perf_counter() - t0, time.process_time() - cpu0
+    duration, client = time.perf_counter() - t0, time.process_time() - cpu0
+    server1 = server_cpu_s(server_pid)
+    return list(results), duration, (client, server1[0] - server0[0], server1[1] - server0[1])
 
 
 def print_metrics(m: dict[str, Any], args: argparse.Namespace, cpu_s: tuple[float, float, float]) -> None:
@@ -310,7 +314,7 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kw
             warmups, workloads = workloads[args.repeats:], workloads[:args.repeats]
             asyncio.run(wait_healthy(base, proc, args.ready_timeout))
             for requests in warmups:
-                asyncio.run(run_client(base, requests, args))
+                asyncio.run(run_client(base, requests, args, proc.pid))
             if not args.no_offline:
                 offline = OfflineRunner(args.model, engine_kwargs, args.temperature, warmups, proc.pid)
             runs = []
@@ -318,13 +322,10 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kw
                 if offline is not None and i % 2:  # ABBA order: a drift favours neither side
                     offline_rates.append(offline.run(requests))
                 steps0 = server_steps(base)
-                server0 = server_cpu_s(proc.pid)
-                results, duration, client_cpu = asyncio.run(run_client(base, requests, args))
-                server1 = server_cpu_s(proc.pid)
+                results, duration, cpu_s = asyncio.run(run_client(base, requests, args, proc.pid))
                 print(f"server: {len(requests)} requests in {duration:.2f} s, "
                       f"{server_steps(base) - steps0} engine steps (4 of them the client's 4-token warm-up request)")
-                runs.append((requests, results, duration,
-                             (client_cpu, server1[0] - server0[0], server1[1] - server0[1])))
+                runs.append((requests, results, duration, cpu_s))
                 if offline is not None and not i % 2:
                     offline_rates.append(offline.run(requests))
         except BaseException as e:

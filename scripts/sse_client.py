@@ -80,6 +80,10 @@ class SSEParser:
     def status(self) -> int:
         return int(self.headers.split(b" ", 2)[1]) if self.headers else 0
 
+    def has_body(self) -> bool:
+        """Whether any of an error response's body has come (kept for error_text)."""
+        return bool(self._raw)
+
     def error_text(self) -> str:
         return repr(self._raw[:300])
 
@@ -97,7 +101,7 @@ class _StreamProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.res.start = self.last = time.perf_counter()
+        self.last = self.res.start
         self.transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:
@@ -121,13 +125,16 @@ class _StreamProtocol(asyncio.Protocol):
         except (StreamError, ValueError, msgspec.DecodeError, KeyError, IndexError) as e:
             self.finished.set_exception(e)
             return
-        if self.parser.done or self.parser.status() not in (0, 200):  # an error: its first bytes are enough
-            self.finished.set_result(None)
+        if self.parser.done or (self.parser.status() not in (0, 200) and self.parser.has_body()):
+            self.finished.set_result(None)  # an error status: the first bytes of its body are enough
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.finished.done():
             return
-        self.finished.set_exception(StreamError(f"the connection closed mid-stream ({exc})"))
+        if self.parser.status() not in (0, 200):
+            self.finished.set_result(None)  # an error response, closed before its body came
+        else:
+            self.finished.set_exception(StreamError(f"the connection closed mid-stream ({exc})"))
 
 
 async def send(host: str, port: int, path: str, auth: bytes, model: str, req: Request, temperature: float,
@@ -139,7 +146,7 @@ async def send(host: str, port: int, path: str, auth: bytes, model: str, req: Re
                                    "stream_options": {"include_usage": True}})
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n").encode() + auth + b"\r\n"
-    res = Result()
+    res = Result(start=time.perf_counter())  # as vLLM's benchmark: the connection's set-up counts
     proto: _StreamProtocol | None = None
     try:
         async with asyncio.timeout(timeout_s):

@@ -222,6 +222,25 @@ def test_prompt_char_limit_never_refuses_what_fits(tokenizer: Any) -> None:
         assert len(text) <= prompt_char_limit(tokenizer, n_tokens), (text[:20], n_tokens)
 
 
+def test_prompt_char_limit_allows_for_unicode_composition() -> None:
+    """NFC composes up to four code points into one (U+1F82 is alpha + three combining marks):
+    a tokenizer with one character per token and an NFC normalizer, fed the decomposed form,
+    makes one token of every four characters, and such a prompt that fits is not refused."""
+    import unicodedata
+
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    from tidal.frontend.tokenizer import prompt_char_limit
+
+    composed = "\u1f82"
+    tok = Tokenizer(models.WordLevel({composed: 0, "a": 1}, unk_token="a"))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    text = unicodedata.normalize("NFD", composed) * 1000
+    assert len(text) == 4000 and tok.encode(text).ids == [0] * 1000  # 1000 tokens: fits 1000
+    assert len(text) <= prompt_char_limit(tok, 1000)
+
+
 def test_long_prompt_that_cannot_fit_is_refused_untokenized(ip: InputProcessor, tokenizer: Any,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     text = "ab " * 20000
@@ -235,6 +254,9 @@ def test_long_prompt_that_cannot_fit_is_refused_untokenized(ip: InputProcessor, 
     # Asked to keep its end, it is tokenized and truncated like any other prompt.
     req, _ = ip.process("r", text, SamplingParams(truncate_prompt_tokens=8))
     assert req.prompt_token_ids == list(tokenizer.encode(text))[-8:] and calls == [len(text)]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens value"):  # out of range: named, untokenized
+        ip.process("r", text, SamplingParams(truncate_prompt_tokens=MAX_LEN + 1))
+    assert calls == [len(text)]
 
 
 def test_long_text_encoding_releases_the_gil(tokenizer: Any) -> None:

@@ -227,18 +227,25 @@ def test_a_prompt_too_long_to_fit_is_refused_untokenized(server: Server, tiny_mo
     res = server.client().completions.create(model="tiny", prompt=text, max_tokens=2,
                                              extra_body={"truncate_prompt_tokens": 8})
     assert res.usage.prompt_tokens == 8 and res.usage.completion_tokens == 2
+    # A truncation out of range is named as such, before the text is tokenized.
+    status, body = post_json(server.url + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 2,
+                                                              "truncate_prompt_tokens": 10**9})
+    assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens"
+    # /tokenize counts the tokens of any text: whether it fits is what it is asked for.
+    status, body = post_json(server.url + "/tokenize", {"model": "tiny", "prompt": text, "add_special_tokens": False})
+    assert status == 200 and body["count"] == len(AutoTokenizer.from_pretrained(tiny_model_dir).encode(
+        text, add_special_tokens=False)) and body["max_model_len"] == MAX_MODEL_LEN
 
 
-def test_bench_client_reads_what_the_openai_client_reads(server: Server) -> None:
+def test_bench_client_reads_what_the_openai_client_reads(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """scripts/sse_client.py (bench_serving's client): exact usage and one timing per content
     chunk (the server merges the deltas of a reader that falls behind, so the count is at most
     one per token, not equal to the official client's); an error status is reported, not read
     as a stream; and its parser gives the same events whatever the read boundaries."""
     import random
-    import sys
     from urllib.parse import urlsplit
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
     from sse_client import Request, SSEParser, send
 
     prompt = [5, 6, 7, 8, 9]
@@ -284,7 +291,7 @@ def test_chat_renders_off_the_event_loop(tiny_model_dir: str) -> None:
     ctx = ServingContext(engine, ["tiny"], CHAT_TEMPLATE)  # type: ignore[arg-type]
     text = asyncio.run(render_chat(ctx, MESSAGES, add_generation_prompt=True, continue_final_message=False,
                                    kwargs=None))
-    assert threads and threads[0] is not threading.main_thread()
+    assert threads and threads[0].name.startswith("tidal-render")  # its own pool, not the loop's thread
     assert text == render(MESSAGES, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)
 
 

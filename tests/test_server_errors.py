@@ -100,6 +100,8 @@ def test_requests_over_the_limits_are_400(server: Server, path: str, body: dict,
     status, resp = completions(server, {"prompt": [[1], [2], [3]], "n": 2, "stop": list("abcd"),
                                         "bad_words": ["x", "y"], "max_tokens": 2})
     assert status == 200 and len(resp["choices"]) == 6  # type: ignore[index]
+    status, resp = completions(server, {"prompt": [1, 2, 3, 4], "n": 6, "max_tokens": 2})  # ids: one prompt
+    assert status == 200 and len(resp["choices"]) == 6  # type: ignore[index]
 
 
 def test_malformed_json_is_400(server: Server) -> None:

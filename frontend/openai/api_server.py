@@ -171,7 +171,7 @@ class Routes:
             text, special = req.prompt, req.add_special_tokens is not False
         else:
             raise APIError("/tokenize needs 'prompt' or 'messages'", HTTPStatus.BAD_REQUEST, "prompt")
-        ids = await ctx.encode(text, special)
+        ids = await ctx.encode(text, special, param=None)
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return json_response(TokenizeResponse(len(ids), ctx.max_model_len, ids, strs))
 
@@ -301,6 +301,7 @@ async def run_server(args: Any) -> None:
     apply_log_config(args)  # before the engine starts its processes: they inherit it
     engine_args = engine_args_from(args)
     engine = AsyncLLM.from_engine_args(engine_args)
+    ctx: ServingContext | None = None
     try:
         ctx = ServingContext(engine, served_names(engine_args), template, ChatOptions(
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
@@ -317,5 +318,7 @@ async def run_server(args: Any) -> None:
         logger.info("tidal serve: %s as %s on %s", engine_args.model, ctx.served_names[0], where)
         await GracefulServer(config).serve()
     finally:
+        if ctx is not None:
+            ctx.close()
         engine.shutdown()
         remove_uds(args)

@@ -4,10 +4,12 @@ request, the SSE framing, and running a handler until the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -102,7 +104,12 @@ class ServingContext:
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.info.vocab_size
         self.chat_template = chat_template
-        self._char_limit: int | None = None  # prompt_char_limit, computed on the first long text
+        # prompt_char_limit, at start-up (a pass over the vocabulary: not on the loop per request)
+        self.char_limit = prompt_char_limit(self.tokenizer, self.max_model_len) if self.tokenizer is not None else 0
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidal-render")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def model_name(self, requested: str | None) -> str:
         """The name to report; 404 for a model this server does not serve."""
@@ -118,21 +125,25 @@ class ServingContext:
         return self.tokenizer
 
     async def encode(self, text: str, add_special_tokens: bool, truncate: int | None = None,
-                     param: str = "prompt") -> list[int]:
+                     param: str | None = "prompt") -> list[int]:
         """Token ids of a prompt's text. Long texts are tokenized in a worker thread (with the
-        GIL released: see LONG_TEXT_CHARS); one that cannot fit is a 400 before any of that,
-        unless `truncate` (truncate_prompt_tokens) asks for its end."""
+        GIL released: see LONG_TEXT_CHARS). A prompt (`param` names its field) that cannot fit
+        is a 400 before any of that, unless a valid `truncate` (truncate_prompt_tokens) asks
+        for its end; param=None: any length (/tokenize counts tokens of what may not fit)."""
         tok = self.needs_tokenizer()
         if len(text) <= LONG_TEXT_CHARS:
             return list(tok.encode(text, add_special_tokens=add_special_tokens))
-        if truncate is None:
-            if self._char_limit is None:
-                self._char_limit = prompt_char_limit(tok, self.max_model_len)
+        if param is not None and truncate_length(truncate, self.max_model_len) is None:
             try:
-                check_prompt_chars(len(text), self._char_limit, self.max_model_len)
+                check_prompt_chars(len(text), self.char_limit, self.max_model_len)
             except ValueError as e:
                 raise APIError(str(e), HTTPStatus.BAD_REQUEST, param) from None
         return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) in the server's own small pool (chat templates): not behind long
+        tokenizations in asyncio's default pool, and not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, truncate: int | None) -> int | None:
         """max_tokens for the engine: as asked, or what the context window leaves (None);
@@ -148,16 +159,23 @@ class ServingContext:
         return max_tokens
 
 
-def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """truncate_prompt_tokens as vLLM: the last `keep` tokens (-1: max_model_len)."""
+def truncate_length(keep: int | None, max_model_len: int) -> int | None:
+    """The tokens truncate_prompt_tokens keeps (-1: max_model_len; None: no truncation); 400
+    for a value outside -1 and [1, max_model_len]."""
     if keep is None:
-        return ids
+        return None
     if keep == -1:
-        keep = max_model_len
+        return max_model_len
     if keep < 1 or keep > max_model_len:
         raise APIError(f"truncate_prompt_tokens must be -1 or in [1, max_model_len={max_model_len}], "
                        f"got {keep}", HTTPStatus.BAD_REQUEST, "truncate_prompt_tokens")
-    return ids[-keep:]
+    return keep
+
+
+def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens as vLLM: the last `keep` tokens (-1: max_model_len)."""
+    length = truncate_length(keep, max_model_len)
+    return ids if length is None else ids[-length:]
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,

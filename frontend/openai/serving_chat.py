@@ -7,7 +7,6 @@ passed as `chat_template` when the server was given one.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -94,8 +93,9 @@ def normalize_messages(messages: list[dict[str, Any]], content_format: str = "st
 async def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                       continue_final_message: bool, kwargs: dict[str, Any] | None) -> str:
     """The prompt text of `messages`; 400 when there is no template or it fails on them.
-    Rendered in a worker thread: jinja2 is Python (100,000 messages took seconds), and the first
-    render loads transformers' tokenizer; the event loop's thread keeps its share of the GIL."""
+    The template renders in the server's render pool (ServingContext.in_thread): jinja2 is Python
+    (100,000 messages took seconds) and the first render loads transformers' tokenizer; the
+    event loop's thread keeps its share of the GIL meanwhile."""
     tok = ctx.needs_tokenizer()
     template = ctx.chat_template or getattr(tok, "chat_template", None)
     if not template:
@@ -105,7 +105,7 @@ async def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, ad
                        HTTPStatus.BAD_REQUEST, "continue_final_message")
     try:
         options = ctx.options
-        text = await asyncio.to_thread(
+        text = await ctx.in_thread(
             tok.apply_chat_template, normalize_messages(messages, options.content_format), chat_template=template,
             tokenize=False, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **{**options.default_template_kwargs, **(kwargs or {})})
