@@ -37,11 +37,12 @@ class StreamError(Exception):
 
 class SSEParser:
     """Bytes of one HTTP/1.1 response in, `data:` payloads out. `feed` returns the payloads
-    completed by these bytes; `headers` is set once the head has arrived (None before), and
-    `done` once the chunked body has ended."""
+    completed by these bytes; `headers` and `status` are set once the head has arrived (None
+    and 0 before), and `done` once the chunked body has ended."""
 
     def __init__(self) -> None:
         self.headers: bytes | None = None
+        self.status = 0
         self.done = False
         self._raw = b""  # bytes not yet de-chunked (or the head, until it is whole)
         self._body = b""  # de-chunked bytes not yet split into events
@@ -54,9 +55,10 @@ class SSEParser:
                 self._raw = raw
                 return []
             self.headers, raw = raw[:end + 4].lower(), raw[end + 4:]
-            if int(self.headers.split(b" ", 2)[1]) == 200 and b"transfer-encoding: chunked" not in self.headers:
+            self.status = int(self.headers.split(b" ", 2)[1])
+            if self.status == 200 and b"transfer-encoding: chunked" not in self.headers:
                 raise StreamError("the stream is not chunked")
-        if int(self.headers.split(b" ", 2)[1]) != 200:
+        if self.status != 200:
             self._raw = raw  # an error body: kept for the message, not parsed
             return []
         body, pos = self._body, 0
@@ -76,9 +78,6 @@ class SSEParser:
         events = body.split(b"\n\n")
         self._body = events.pop()  # an incomplete event (or b"")
         return [e[5:].strip() for e in events if e.startswith(b"data:")]
-
-    def status(self) -> int:
-        return int(self.headers.split(b" ", 2)[1]) if self.headers else 0
 
     def has_body(self) -> bool:
         """Whether any of an error response's body has come (kept for error_text)."""
@@ -125,13 +124,13 @@ class _StreamProtocol(asyncio.Protocol):
         except (StreamError, ValueError, msgspec.DecodeError, KeyError, IndexError) as e:
             self.finished.set_exception(e)
             return
-        if self.parser.done or (self.parser.status() not in (0, 200) and self.parser.has_body()):
+        if self.parser.done or (self.parser.status not in (0, 200) and self.parser.has_body()):
             self.finished.set_result(None)  # an error status: the first bytes of its body are enough
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.finished.done():
             return
-        if self.parser.status() not in (0, 200):
+        if self.parser.status not in (0, 200):
             self.finished.set_result(None)  # an error response, closed before its body came
         else:
             self.finished.set_exception(StreamError(f"the connection closed mid-stream ({exc})"))
@@ -153,8 +152,8 @@ async def send(host: str, port: int, path: str, auth: bytes, model: str, req: Re
             _, proto = await asyncio.get_running_loop().create_connection(
                 lambda: _StreamProtocol(head + payload, res), host, port)
             await proto.finished
-        if proto.parser.status() != 200:
-            res.error = f"HTTP {proto.parser.status()}: {proto.parser.error_text()}"
+        if proto.parser.status != 200:
+            res.error = f"HTTP {proto.parser.status}: {proto.parser.error_text()}"
             return res
         res.latency = proto.last - res.start
         res.success = res.output_tokens == req.max_tokens  # ignore_eos: exactly max_tokens

@@ -268,7 +268,7 @@ def test_bench_client_reads_what_the_openai_client_reads(server: Server, monkeyp
         parser, got = SSEParser(), []
         for a, b in zip([0, *cuts], [*cuts, len(raw)]):
             got += parser.feed(raw[a:b])
-        assert got == events and parser.done and parser.status() == 200
+        assert got == events and parser.done and parser.status == 200
 
 
 def test_chat_renders_off_the_event_loop(tiny_model_dir: str) -> None:
