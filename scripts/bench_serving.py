@@ -11,7 +11,9 @@ prints vLLM's figures. An `LLM` with the same engine args (warmed up the same wa
 the server, and each timed workload also runs through `LLM.generate`, right before or after its
 server run (alternating): this machine's speed drifts too much for one side's runs to be
 compared with the other's taken minutes apart. The last lines: server tok/s / LLM.generate's
-(medians), and the ratio per workload. The server and the LLM are then stopped and reaped.
+(medians), the ratio per workload, and the CPU-work bound per workload: LLM.generate's CPU
+seconds over the server run's (engine, front-end and client), the ratio's ceiling when the
+cores are the bottleneck and shared without loss. The server and the LLM are then stopped and reaped.
 As vLLM: TTFT = first chunk - send; ITL = gaps between chunks; TPOT = (latency - TTFT) /
 (output tokens - 1); output tokens = usage.completion_tokens. Defaults suit a small CPU box
 (vLLM's: 1000 x 1024 -> 128). CPU seconds are printed for each side: the client (its timed
@@ -225,12 +227,14 @@ class OfflineRunner:
             self.llm.shutdown()
             raise
 
-    def run(self, requests: list[Request], quiet: bool = False, max_tokens: int | None = None) -> float:
-        """Output tok/s of one LLM.generate over `requests`."""
+    def run(self, requests: list[Request], quiet: bool = False, max_tokens: int | None = None
+            ) -> tuple[float, float]:
+        """(output tok/s, CPU s of the front-end and the engine core) of one LLM.generate over
+        `requests`."""
         from tidal.protocol import SamplingParams
 
         if not requests:
-            return 0.0
+            return 0.0, 0.0
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         params = [SamplingParams(max_tokens=max_tokens or r.max_tokens, ignore_eos=True, temperature=self.temperature)
                   for r in requests]
@@ -246,7 +250,7 @@ class OfflineRunner:
         if not quiet:
             print(f"LLM.generate: {len(outs)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.2f} output tok/s, "
                   f"{steps} engine steps; CPU s: front-end {cpu:.2f}, engine core {core:.2f}")
-        return tokens / dt
+        return tokens / dt, cpu + core
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -288,10 +292,10 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
 
 def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kwargs: dict[str, Any]
                      ) -> tuple[list[tuple[list[Request], list[Result], float, tuple[float, float, float]]],
-                                list[float]]:
+                                list[tuple[float, float]]]:
     """Start the server, build the workloads while it loads, run them (warm-ups first, untimed),
     each timed one next to its LLM.generate twin (unless --no-offline): (the timed server runs,
-    the offline output tok/s in the same order). The server and the offline engine are stopped
+    the offline (output tok/s, CPU s) in the same order). The server and the offline engine are stopped
     and reaped on every path (the server's log is kept and its tail printed unless all went well)."""
     from transformers import AutoTokenizer
 
@@ -300,7 +304,7 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kw
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
     offline: OfflineRunner | None = None
-    offline_rates: list[float] = []
+    offline_rates: list[tuple[float, float]] = []
     with tempfile.NamedTemporaryFile(prefix="tidal-serve-", suffix=".log", delete=False) as log:
         proc = start_server(args.model, port, engine_argv, log)
         try:
@@ -366,7 +370,8 @@ def main() -> None:
         from tidal.frontend.make_model import ensure_default_model
 
         args.model = ensure_default_model()
-    runs, offline = run_server_phase(args, engine_argv, engine_kwargs)
+    runs, offline_runs = run_server_phase(args, engine_argv, engine_kwargs)
+    offline = [rate for rate, _ in offline_runs]
     served = []
     for requests, results, duration, cpu_s in runs:
         metrics = compute_metrics(results, requests, duration)
@@ -383,6 +388,12 @@ def main() -> None:
           f"{server_tp:.2f} / {offline_tp:.2f} = {server_tp / offline_tp:.3f}")
     print(f"  per workload (each server run beside its LLM.generate twin): "
           f"{', '.join(f'{r:.3f}' for r in pairs)}; median {float(np.median(pairs)):.3f}")
+    # The ratio's ceiling when the machine is the bottleneck: the same tokens cost the server
+    # its engine plus its front-end plus the client; were the cores shared perfectly (no fork-join
+    # wait for a preempted thread), wall times would go as the CPU seconds each side needs.
+    work = [cpu / sum(cpu_s) for (_, cpu), (_, _, _, cpu_s) in zip(offline_runs, runs)]
+    print(f"  CPU-work bound (LLM.generate CPU s / server CPU s, client included, per workload): "
+          f"{', '.join(f'{r:.3f}' for r in work)}; median {float(np.median(work)):.3f}")
 
 
 if __name__ == "__main__":
