@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 # Hash of one full block: hash((parent_block_hash | None, tuple(token_ids_of_block))).
 # Python's hash of ints/tuples is stable within a process, which is all the cache needs
@@ -40,10 +41,12 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     return hash((parent_block_hash, tuple(token_ids)))
 
 
-def update_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> None:
-    """Extend `block_hashes` in place to cover every full block of `token_ids` (chain hash)."""
+def update_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+                        salt: str | None = None) -> None:
+    """Extend `block_hashes` in place to cover every full block of `token_ids` (chain hash);
+    a `salt` is the first block's parent, so every hash of a salted request depends on it."""
     num_full_blocks = len(token_ids) // block_size
-    parent = block_hashes[-1] if block_hashes else None
+    parent: Any = block_hashes[-1] if block_hashes else None if salt is None else ("cache_salt", salt)
     for i in range(len(block_hashes), num_full_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         block_hashes.append(parent)

@@ -62,7 +62,7 @@ class KVCacheManager:
         """
         if not self._lookup_allowed(request):
             return [], 0
-        update_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        update_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         # The last token is always recomputed, so at most (num_tokens - 1) tokens can hit.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         pool = self.block_pool
@@ -84,7 +84,7 @@ class KVCacheManager:
         if num_full_blocks <= start:
             return
         blocks = self.req_to_blocks[request_id]
-        update_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        update_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         hashes = request.block_hashes
         pool = self.block_pool
         for i in range(start, num_full_blocks):

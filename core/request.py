@@ -79,6 +79,7 @@ class Request:
         max_model_len: int | None = None,
         client_index: ClientIndex = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id: str = request_id
         self.client_index: ClientIndex = client_index
@@ -106,6 +107,7 @@ class Request:
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = -1  # prefix-cache hit of the first admission; -1 before
         self.block_hashes: list[int] = []
+        self.cache_salt: str | None = cache_salt  # the first block's hash includes it
         # How many of `all_token_ids` the model runner holds (0: it holds no state for us).
         # The scheduler sends `all_token_ids[num_synced_tokens:]` as the next delta.
         self.num_synced_tokens: int = 0
@@ -128,6 +130,7 @@ class Request:
             arrival_time=req.arrival_time,
             max_model_len=max_model_len,
             client_index=client_index,
+            cache_salt=req.cache_salt,
             priority=req.priority,
         )
         if req.resumed_output_token_ids:  # resumed after a core restart: as if preempted

@@ -65,7 +65,7 @@ class FrontEnd(Generic[C]):
         self.vllm_config = config.replace(max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
         self.input_processor = InputProcessor(tokenizer, max_model_len=info.max_model_len,
                                               vocab_size=info.vocab_size, max_logprobs=config.max_logprobs,
-                                              scheduling_policy=config.scheduling_policy)
+                                              scheduling_policy=config.scheduling_policy, seed=config.seed)
         self.output_processor = OutputProcessor(tokenizer, log_stats=not config.disable_log_stats)
         self.metrics: EngineMetrics | None = None
         if not config.disable_log_stats:

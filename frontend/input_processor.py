@@ -43,10 +43,14 @@ def _generation_config_eos(tokenizer: Any) -> list[int]:
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, *, max_model_len: int, vocab_size: int,
                  max_logprobs: int, eos_token_id: int | list[int] | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", seed: int | None = None) -> None:
         """`eos_token_id` overrides the tokenizer's/generation_config's (a list: the first is the
-        EOS, the others become stop token ids, as vLLM does with generation_config)."""
+        EOS, the others become stop token ids, as vLLM does with generation_config). `seed`, the
+        engine's: the seeds drawn for unseeded requests follow from it, so the same requests in
+        the same order sample the same tokens run after run (vLLM's seed=0 promise); None: a
+        fresh draw each run."""
         self.tokenizer = tokenizer
+        self._seeds = random.Random(seed)
         self.limits = RequestLimits(max_model_len, vocab_size, max_logprobs, scheduling_policy)
         if eos_token_id is None:
             eos_ids = _generation_config_eos(tokenizer) if tokenizer is not None else []
@@ -81,9 +85,13 @@ class InputProcessor:
             raise ValueError(
                 f"prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, "
                 f"got {type(prompt).__name__}")
-        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        unknown = sorted(set(prompt) - _PROMPT_KEYS - _MULTIMODAL_KEYS)
         if unknown:
-            raise ValueError(f"unknown prompt key(s) {unknown}; expected 'prompt' or 'prompt_token_ids'")
+            raise ValueError(f"unknown prompt key(s) {unknown}; expected 'prompt', 'prompt_token_ids' "
+                             "or 'cache_salt'")
+        given = sorted(k for k in _MULTIMODAL_KEYS if prompt.get(k) is not None)
+        if given:
+            raise ValueError(f"prompt key(s) {given}: tidal serves text-only models (leave them out or None)")
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"'prompt' must be a str, got {type(text).__name__}")
@@ -163,6 +171,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._parse_prompt(prompt)
+        salt = _cache_salt(prompt)
         # The clone re-runs SamplingParams' checks: params changed after construction (structs
         # are mutable) are caught here too, before anything is registered or sent. The
         # front-end's own changes then go into this private copy, checked by check_request.
@@ -178,7 +187,8 @@ class InputProcessor:
         if problem is not None:
             raise ValueError(problem)
         request = EngineCoreRequest(request_id, ids, params, self.eos_token_id,
-                                    time.time() if arrival_time is None else arrival_time, priority)
+                                    time.time() if arrival_time is None else arrival_time, priority,
+                                    cache_salt=salt)
         return request, text
 
     def _changes(self, params: SamplingParams) -> dict[str, Any]:
@@ -192,7 +202,7 @@ class InputProcessor:
             changes["_bad_words_token_ids"] = None
         if params.seed is None:
             # Room for the n > 1 children's seed + i within int64 (the core's seed type).
-            changes["seed"] = random.randrange(min(_SEED_LIMIT, (1 << 63) - params.n))
+            changes["seed"] = self._seeds.randrange(min(_SEED_LIMIT, (1 << 63) - params.n))
         if self.extra_eos_token_ids and not params.ignore_eos:
             stop_ids = list(params.stop_token_ids or ())
             extra = [t for t in self.extra_eos_token_ids if t not in stop_ids]
@@ -214,3 +224,16 @@ class InputProcessor:
             return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time, priority)
         return self.process(request_id, prompt, params, arrival_time, priority)
 
+
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+# vLLM's multimodal prompt keys: accepted when None (code that always sets them), else refused.
+_MULTIMODAL_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})
+
+
+def _cache_salt(prompt: str | dict) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's key): a non-empty str, or absent."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"'cache_salt' must be a non-empty str, got {salt!r}")
+    return salt

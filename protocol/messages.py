@@ -71,6 +71,9 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # runs proves it guilty and never blames the requests it would have shared a step with
     # (see core/quarantine.py, OutputProcessor.resume_after_crash).
     quarantined: bool = False
+    # vLLM's prompt `cache_salt`: mixed into the hash of the first block, so only requests with
+    # the same salt share prefix-cache blocks (tenants cannot probe each other's prompts).
+    cache_salt: str | None = None
 
 
 # An argument of a utility call: scalars only (no utility takes a container), so that an

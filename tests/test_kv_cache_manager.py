@@ -291,3 +291,22 @@ def test_pool_hands_out_the_reference_order() -> None:
                 ref.free(ids)
             assert pool.ref_counts() == ref.refs
             assert pool.get_num_free_blocks() == ref.refs.count(0) == len(ref.queue)
+
+
+def test_cache_salt_isolates_prefixes() -> None:
+    """vLLM's cache_salt: the first block's hash includes the salt (so every later one does), so
+    only requests with the same salt share blocks; the unsalted chain is the formula's."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
+    prompt = list(range(13))  # 3 full blocks; the last token is always recomputed
+    first = Request("a", prompt, SamplingParams(max_tokens=4), max_model_len=1024, cache_salt="tenant-1")
+    admit(kv, first)
+    compute(kv, first, 13)
+    salt = ("cache_salt", "tenant-1")
+    assert first.block_hashes[0] == hash((salt, (0, 1, 2, 3)))
+    same = Request("b", prompt, SamplingParams(max_tokens=4), max_model_len=1024, cache_salt="tenant-1")
+    other = Request("c", prompt, SamplingParams(max_tokens=4), max_model_len=1024, cache_salt="tenant-2")
+    plain = make_request("d", prompt)
+    assert kv.get_computed_blocks(same)[1] == 12
+    assert kv.get_computed_blocks(other) == ([], 0) and kv.get_computed_blocks(plain) == ([], 0)
+    assert not set(other.block_hashes) & set(first.block_hashes)
+    assert plain.block_hashes[0] == hash((None, (0, 1, 2, 3)))
