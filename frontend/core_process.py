@@ -29,8 +29,10 @@ _TERM_GRACE_S = 5.0  # SIGTERM first (the core tells its front-ends, stops its w
 _REASON_GRACE_S = 0.3  # see CoreWatcher._run
 
 
-def _stop_process(proc: subprocess.Popen, ipc_dir: IpcDir, grace_s: float) -> None:
-    """SIGTERM (the core tells its front-ends and stops its workers), SIGKILL after grace_s."""
+def _stop_process(proc: subprocess.Popen, ipc_dir: IpcDir, grace_s: float, stopping: threading.Event) -> None:
+    """SIGTERM (the core tells its front-ends and stops its workers), SIGKILL after grace_s.
+    `stopping` is set first: the watcher then knows the core's end is no death to report."""
+    stopping.set()
     try:
         stop_process(proc, grace_s)
     finally:
@@ -61,8 +63,12 @@ class CoreProcess:
         except BaseException:
             self.ipc_dir.cleanup()
             raise
+        # Set once this process stops the core on purpose (a script that ends without shutdown()
+        # has it stopped at interpreter exit): not a death, so nothing is logged or restarted.
+        self.stopping = threading.Event()
         # Runs at shutdown(), at garbage collection, or at interpreter exit, whichever is first.
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ipc_dir, _TERM_GRACE_S)
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ipc_dir, _TERM_GRACE_S,
+                                           self.stopping)
 
     @property
     def pid(self) -> int:
@@ -85,7 +91,7 @@ class CoreProcess:
     def shutdown(self, grace_s: float = _TERM_GRACE_S) -> None:
         if self._finalizer.alive:
             self._finalizer.detach()
-            _stop_process(self.proc, self.ipc_dir, grace_s)
+            _stop_process(self.proc, self.ipc_dir, grace_s, self.stopping)
 
 
 class CoreWatcher:
@@ -141,9 +147,13 @@ class CoreWatcher:
         # A core that dies on purpose (exception, SIGTERM) sends `engine_dead` with its reason
         # just before it goes; give the reader a moment to report that one first (on_dead is
         # idempotent, so whichever comes second is a no-op).
-        if not self._stopped.wait(_REASON_GRACE_S):
+        if not self._stopped.wait(_REASON_GRACE_S) and not self._stopping():
             logger.error("engine core is dead: %s", reason)
             self._on_dead(reason)
+
+    def _stopping(self) -> bool:
+        """This process is stopping the core itself (see CoreProcess.stopping)."""
+        return self._process is not None and self._process.stopping.is_set()
 
     def stop(self) -> None:
         """Stop watching (before an intended shutdown, so that it is not reported as a death)."""

@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Sequence
 
 from tidal.frontend.beam_search import beam_search
+from tidal.frontend.chat_utils import normalize_messages
 from tidal.frontend.core_client import InprocClient, SyncMPClient
 from tidal.frontend.engine_args import EngineArgs
 from tidal.frontend.engine_setup import FrontEnd
@@ -112,6 +113,40 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
             # Ctrl-C, a dead core or a failed request: leave no request behind in either process.
             self._abort_silently(list(self.output_processor.request_states))
             raise
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: Any = None, chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or several, each rendered by
+        the chat template (the tokenizer's, or `chat_template`) and generated as generate()
+        does. The template writes the special tokens, so none are added when tokenizing."""
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: tidal serves text-only models")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
+                             f"got {chat_template_content_format!r}")
+        tok = self._tokenizer_or_raise()
+        template = chat_template or getattr(tok, "chat_template", None)
+        if not template:
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template (a Jinja "
+                             "template) or use generate()")
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        fmt = "openai" if chat_template_content_format == "openai" else "string"
+        extra = {"tools": tools} if tools else {}
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(
+                normalize_messages(list(conversation), fmt), chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **extra, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": list(tok.encode(text, add_special_tokens=False))})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams, lora_request: Any = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:

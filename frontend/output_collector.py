@@ -33,7 +33,7 @@ class RequestOutputCollector:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
         elif isinstance(current, RequestOutput):
-            _merge_request_output(current, item, self.aggregate)
+            current.add(item, self.aggregate)
 
     async def get(self) -> RequestOutput:
         """The pending output (raising a pending exception), waiting for one if need be."""
@@ -50,30 +50,3 @@ class RequestOutputCollector:
         if isinstance(output, BaseException):
             raise output
         return output
-
-
-def _merge_request_output(current: RequestOutput, new: RequestOutput, aggregate: bool) -> None:
-    current.finished = new.finished
-    current.num_cached_tokens = new.num_cached_tokens
-    current.metrics = new.metrics
-    if new.prompt_logprobs is not None:
-        current.prompt_logprobs = (current.prompt_logprobs + new.prompt_logprobs if aggregate
-                                   and current.prompt_logprobs is not None else new.prompt_logprobs)
-    outputs = current.outputs
-    for nxt in new.outputs:
-        for i, cur in enumerate(outputs):
-            if cur.index == nxt.index:
-                if aggregate:  # copies, never extending lists another output may share
-                    cur.text += nxt.text
-                    cur.token_ids = cur.token_ids + nxt.token_ids
-                    if nxt.logprobs:
-                        cur.logprobs = (cur.logprobs or []) + nxt.logprobs
-                    cur.cumulative_logprob = nxt.cumulative_logprob
-                    cur.finish_reason = nxt.finish_reason
-                    cur.stop_reason = nxt.stop_reason
-                else:
-                    outputs[i] = nxt
-                break
-        else:
-            outputs.append(nxt)
-            outputs.sort(key=lambda c: c.index)

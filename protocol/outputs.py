@@ -7,9 +7,10 @@ a field tidal lacks still constructs them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, MutableSequence, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, TypeVar, overload
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, TypeVar, overload
 
 FinishReasonStr = str  # "stop" | "length" | "abort" | "error"
 
@@ -161,6 +162,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: FinishReasonStr | None = None
     stop_reason: int | str | None = None
+    lora_request = None  # vLLM's field; tidal has no LoRA (a class attribute: no per-token cost)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -193,3 +195,40 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestStateStats | None = None
+    # vLLM's fields for features tidal does not have (LoRA, encoder-decoder and multimodal
+    # models, disaggregated prefill): class attributes, so reading them works and costs nothing.
+    lora_request = None
+    encoder_prompt = None
+    encoder_prompt_token_ids = None
+    multi_modal_placeholders: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    kv_transfer_params = None
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Merge a later output of the same request into this one (vLLM's RequestOutput.add):
+        `aggregate` (DELTA) appends text, ids and logprobs per completion index; otherwise the
+        later completion replaces the earlier. New lists are made, never ones another output
+        may share."""
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics
+        if next_output.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs + next_output.prompt_logprobs
+                                    if aggregate and self.prompt_logprobs is not None else next_output.prompt_logprobs)
+        outputs = self.outputs
+        for nxt in next_output.outputs:
+            for i, cur in enumerate(outputs):
+                if cur.index == nxt.index:
+                    if aggregate:
+                        cur.text += nxt.text
+                        cur.token_ids = cur.token_ids + nxt.token_ids
+                        if nxt.logprobs:
+                            cur.logprobs = (cur.logprobs or []) + nxt.logprobs
+                        cur.cumulative_logprob = nxt.cumulative_logprob
+                        cur.finish_reason = nxt.finish_reason
+                        cur.stop_reason = nxt.stop_reason
+                    else:
+                        outputs[i] = nxt
+                    break
+            else:
+                outputs.append(nxt)
+                outputs.sort(key=lambda c: c.index)

@@ -1,10 +1,13 @@
-"""vLLM users' scripts, run as written: vLLM's docs quickstart for `LLM` and its
-examples/offline_inference/async_llm_streaming.py, verbatim except the imports (vllm -> tidal)
-and the model (the test model's directory instead of a hub name)."""
+"""vLLM users' scripts, run as written: vLLM's docs quickstart for `LLM`, its
+examples/offline_inference/async_llm_streaming.py and (the body of) basic/chat.py, with `vllm`
+replaced by `tidal` (module paths and names alike) and the test model's directory for the hub
+name; then vLLM's seed, cache_salt and prompt-dict conventions offline."""
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+import pytest
 
 QUICKSTART = '''
 from vllm import LLM, SamplingParams
@@ -112,20 +115,11 @@ async def main():
         engine.shutdown()
 '''
 
-IMPORTS = {
-    "from vllm import LLM, SamplingParams": "from tidal.frontend import LLM\nfrom tidal.protocol import SamplingParams",
-    "from vllm import SamplingParams": "from tidal.protocol import SamplingParams",
-    "from vllm.engine.arg_utils import AsyncEngineArgs": "from tidal.frontend import AsyncEngineArgs",
-    "from vllm.sampling_params import RequestOutputKind": "from tidal.protocol import RequestOutputKind",
-    "from vllm.v1.engine.async_llm import AsyncLLM": "from tidal.frontend import AsyncLLM",
-}
-
-
 def as_tidal(script: str, hub_name: str, model_dir: str) -> str:
-    for vllm_import, tidal_import in IMPORTS.items():
-        script = script.replace(vllm_import + "\n", tidal_import + "\n")
-    assert "vllm" not in script.replace(hub_name, "")
-    return script.replace(f'"{hub_name}"', repr(model_dir))
+    """The script with `vllm` replaced by `tidal` (modules and names alike, as a user would) and
+    the hub model by the test model's directory."""
+    script = script.replace(f'"{hub_name}"', repr(model_dir))
+    return script.replace("vllm", "tidal")
 
 
 def test_quickstart(tiny_model_dir: str, capsys: Any) -> None:
@@ -146,3 +140,93 @@ def test_async_llm_streaming_example(tiny_model_dir: str, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert out.count("✅ Generation complete!") == 3 and "🎉 All streaming examples completed!" in out
     assert "❌" not in out and out.rstrip().endswith("🔧 Shutting down engine...")
+
+
+# vLLM's examples/offline_inference/basic/chat.py, the body of its main() with its argument
+# parsing replaced by literals (the sampling settings greedy, so that outputs compare).
+CHAT_EXAMPLE = '''
+from vllm import LLM, SamplingParams
+
+sampling_params = SamplingParams(max_tokens=8, temperature=0)
+llm = LLM(model="meta-llama/Llama-3.2-1B-Instruct")
+
+conversation = [
+    {"role": "system", "content": "You are a helpful assistant"},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hello! How can I assist you today?"},
+    {"role": "user", "content": "Write an essay about the importance of higher education."},
+]
+outputs = llm.chat(conversation, sampling_params, use_tqdm=False)
+
+conversations = [conversation for _ in range(10)]
+batch_outputs = llm.chat(conversations, sampling_params, use_tqdm=True)
+
+chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}"
+template_outputs = llm.chat(conversations, sampling_params, use_tqdm=False, chat_template=chat_template)
+'''
+
+
+def test_chat_example(tiny_model_dir: str) -> None:
+    """LLM.chat renders as transformers renders the same conversation, tokenizes without adding
+    special tokens (the template writes them), and generates as generate() does."""
+    from transformers import AutoTokenizer
+
+    namespace: dict[str, Any] = {}
+    exec(as_tidal(CHAT_EXAMPLE, "meta-llama/Llama-3.2-1B-Instruct", tiny_model_dir), namespace)
+    llm, conversation = namespace["llm"], namespace["conversation"]
+    try:
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        expected = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        (out,) = namespace["outputs"]
+        assert out.prompt == expected
+        assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+        assert len(out.outputs[0].token_ids) == 8 or out.outputs[0].finish_reason == "stop"
+        assert [o.outputs[0].token_ids for o in namespace["batch_outputs"]] == [out.outputs[0].token_ids] * 10
+        ref = llm.generate({"prompt_token_ids": out.prompt_token_ids}, namespace["sampling_params"], use_tqdm=False)
+        assert ref[0].outputs[0].token_ids == out.outputs[0].token_ids
+        own = tok.apply_chat_template(conversation, chat_template=namespace["chat_template"], tokenize=False)
+        assert {o.prompt for o in namespace["template_outputs"]} == {own}
+    finally:
+        llm.shutdown()
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir: str) -> None:
+    """vLLM's seed (default 0): the same requests in the same order sample the same tokens in
+    every run; another engine seed, other tokens."""
+    from tidal import LLM, SamplingParams
+
+    def run(seed: int) -> list[list[int]]:
+        with LLM(model=tiny_model_dir, seed=seed, max_model_len=256, num_kv_blocks=64) as llm:
+            outs = llm.generate(["a", "b", "a"], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs]
+
+    first, again, other = run(0), run(0), run(1)
+    assert first == again
+    assert first[0] != first[2]  # two requests draw two seeds
+    assert other != first
+
+
+def test_cache_salt_prompt_key(tiny_model_dir: str) -> None:
+    """TokensPrompt's cache_salt: only requests with the same salt hit each other's blocks."""
+    from tidal import LLM, SamplingParams, TokensPrompt
+
+    ids = list(range(5, 5 + 40))
+    params = SamplingParams(max_tokens=1)
+    with LLM(model=tiny_model_dir, max_model_len=256, num_kv_blocks=64, block_size=16) as llm:
+        def cached(prompt: TokensPrompt) -> int:
+            return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+        assert cached(TokensPrompt(prompt_token_ids=ids, cache_salt="a")) == 0
+        assert cached(TokensPrompt(prompt_token_ids=ids, cache_salt="a")) == 32  # (40 - 1) // 16 full blocks
+        assert cached(TokensPrompt(prompt_token_ids=ids, cache_salt="b")) == 0
+        assert cached(TokensPrompt(prompt_token_ids=ids)) == 0
+        assert cached({"prompt_token_ids": ids, "multi_modal_data": None}) == 32  # vLLM's key, left empty
+        with pytest.raises(ValueError, match="text-only"):
+            llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": "x"}}, params)
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt_token_ids": ids, "cache_salt": ""}, params)
+        out = llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0]
+    # vLLM's fields for features tidal lacks read as vLLM's "none"
+    assert (out.lora_request, out.encoder_prompt, out.kv_transfer_params, dict(out.multi_modal_placeholders),
+            out.outputs[0].lora_request) == (None, None, None, {}, None)

@@ -1,0 +1,1 @@
+"""vLLM's `vllm.engine` package path (`tidal.engine.arg_utils`)."""

@@ -1,0 +1,4 @@
+"""vLLM's `vllm.inputs` names."""
+from tidal.protocol.inputs import PromptType, TextPrompt, TokensPrompt
+
+__all__ = ["PromptType", "TextPrompt", "TokensPrompt"]

@@ -1,0 +1,4 @@
+"""vLLM's `vllm.outputs` names."""
+from tidal.protocol.outputs import CompletionOutput, RequestOutput
+
+__all__ = ["CompletionOutput", "RequestOutput"]
