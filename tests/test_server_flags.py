@@ -156,7 +156,7 @@ def test_logging_config_file_applies_in_every_tidal_process(tmp_path: os.PathLik
 @pytest.mark.parametrize("flags,expected", [
     (["--lora-modules", "a=/tmp/a"], "--lora-modules: tidal does not support LoRA adapters"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "does not support tool calling"),
-    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids: tidal does not support"),
+    (["--enable-prompt-tokens-details"], "--enable-prompt-tokens-details: tidal does not support"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "7"], "--ssl-cert-reqs 7"),
     (["--middleware", "tests.server_middleware.missing"], "--middleware 'tests.server_middleware.missing'"),

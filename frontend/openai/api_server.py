@@ -20,7 +20,7 @@ import hmac
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -66,7 +66,7 @@ from tidal.protocol.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed (probes and scrapers)
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # no API key needed (probes and scrapers)
 STATS_LOG_INTERVAL_S = 10.0
 _JSON = "application/json"
 
@@ -80,17 +80,26 @@ def error_response(e: APIError) -> Response:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on every path but OPEN_PATHS, compared in constant time."""
+    """`Authorization: Bearer KEY` (the scheme in any case, as RFC 9110 has it) on every path
+    but OPEN_PATHS; KEY is any of the server's keys, each compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, b"Bearer " + api_key.encode()
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str]) -> None:
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self.app, self.keys = app, [k.encode() for k in keys]
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        ok = False
+        for key in self.keys:  # every key compared: the time does not tell which one matched
+            ok |= hmac.compare_digest(token.strip(), key)
+        return ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if path in OPEN_PATHS or hmac.compare_digest(got, self.expected):
+        if path in OPEN_PATHS or self._authorized(got):
             return await self.app(scope, receive, send)
         err = APIError("Unauthorized: a missing or wrong API key (send 'Authorization: Bearer KEY')",
                        HTTPStatus.UNAUTHORIZED)
@@ -217,7 +226,7 @@ async def _log_stats(engine: AsyncLLM, interval: float) -> None:
             logger.debug("stats log failed: %s", e)
 
 
-def build_app(ctx: ServingContext, *, api_key: str | None = None, max_body_bytes: int = 32 << 20,
+def build_app(ctx: ServingContext, *, api_key: str | Sequence[str] | None = None, max_body_bytes: int = 32 << 20,
               stats_interval: float = STATS_LOG_INTERVAL_S, flags: Any = None) -> Starlette:
     """The app; `flags` (tidal serve's parsed arguments) adds the middleware server_flags
     implements (outside the API key check, so CORS preflights need no key)."""
@@ -236,6 +245,7 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, max_body_bytes
 
     app = Starlette(routes=[
         Route("/health", routes.health, methods=["GET"]),
+        Route("/ping", routes.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) health probe
         Route("/metrics", routes.metrics, methods=["GET"]),
         Route("/version", routes.version, methods=["GET"]),
         Route("/v1/models", routes.models, methods=["GET"]),
@@ -305,9 +315,10 @@ async def run_server(args: Any) -> None:
     try:
         ctx = ServingContext(engine, served_names(engine_args), template, ChatOptions(
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
-            args.enable_force_include_usage), limits)
-        app = build_app(ctx, api_key=args.api_key or envs.TIDAL_API_KEY, max_body_bytes=args.max_request_body_bytes,
-                        flags=args)
+            args.enable_force_include_usage, args.return_tokens_as_token_ids, args.trust_request_chat_template),
+            limits)
+        keys = [k for k in args.api_key or [envs.TIDAL_API_KEY] if k]  # an empty key would let "Bearer " in
+        app = build_app(ctx, api_key=keys or None, max_body_bytes=args.max_request_body_bytes, flags=args)
         config = uvicorn.Config(app, http="httptools", lifespan="on", log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path or "",

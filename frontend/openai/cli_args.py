@@ -20,9 +20,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default loopback; 0.0.0.0 serves every interface)")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", default=None,
-                       help=f"require 'Authorization: Bearer KEY' (also ${API_KEY_ENV}); /health and "
-                            "/metrics stay open")
+    group.add_argument("--api-key", nargs="+", default=None,
+                       help=f"require 'Authorization: Bearer KEY', KEY any of these (also ${API_KEY_ENV}); "
+                            "/health and /metrics stay open")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file (or the template itself) overriding the tokenizer's")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,

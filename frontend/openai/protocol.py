@@ -16,8 +16,23 @@ import msgspec
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    """vLLM's: `include_usage` defaults to true once stream_options is given; null reads as false.
+    UNSET tells `{}` (which vLLM takes without `stream`) from options actually set."""
+
+    include_usage: bool | None | msgspec.UnsetType = msgspec.UNSET
+    continuous_usage_stats: bool | None | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def given(self) -> bool:
+        return self.include_usage is not msgspec.UNSET or self.continuous_usage_stats is not msgspec.UNSET
+
+    @property
+    def usage(self) -> bool:
+        return self.include_usage is msgspec.UNSET or bool(self.include_usage)
+
+    @property
+    def continuous(self) -> bool:
+        return self.usage and self.continuous_usage_stats is not msgspec.UNSET and bool(self.continuous_usage_stats)
 
 
 class JsonSchemaResponseFormat(msgspec.Struct, kw_only=True):
@@ -54,7 +69,8 @@ class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """What both generation endpoints take: OpenAI's fields and vLLM's extras."""
+    """What both generation endpoints take: OpenAI's fields and vLLM's extras. A field vLLM
+    types Optional takes an explicit null as its default (clients that send every field do)."""
 
     model: str | None = None
     n: int = 1
@@ -64,7 +80,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -86,6 +102,19 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's request extras: the id the response reports, token ids in the response,
+    # logprob tokens as "token_id:N", the prefix-cache salt; and two refused (see serving_base)
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's only
+    logits_processors: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream is None:
+            self.stream = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -93,24 +122,40 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # so the list forms are told apart by `completion_prompts`.
     prompt: str | list[Any] | None = None
     max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for completions
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     add_special_tokens: bool = True
     suffix: str | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.echo is None:
+            self.echo = False
+
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[dict[str, Any]]
+    n: int | None = 1  # Optional in vLLM's chat request (not in its completions request)
     max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    echo: bool = False  # the reply starts with the last message's content when it has its role
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template writes the special tokens itself
+    chat_template: str | None = None  # with --trust-request-chat-template only
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # passed to the template (RAG), as vLLM
     tools: list[Any] | None = None
     tool_choice: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n is None:
+            self.n = 1
+        if self.logprobs is None:
+            self.logprobs = False
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -163,6 +208,8 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -180,6 +227,13 @@ class CompletionStreamChoice(msgspec.Struct):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionStreamChoiceIds(CompletionStreamChoice):
+    """A chunk's choice with return_token_ids: the new ids, and the prompt's in the first."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -211,6 +265,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -221,6 +276,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -236,6 +292,12 @@ class ChatStreamChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class ChatStreamChoiceIds(ChatStreamChoice):
+    """A chunk's choice with return_token_ids: the new ids."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class StreamHeader(msgspec.Struct):

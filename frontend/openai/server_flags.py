@@ -45,19 +45,16 @@ REFUSED_FLAGS: dict[str, str] = {
     "tool_parser_plugin": "tool calling",
     "tool_server": "tool calling",
     "exclude_tools_when_tool_choice_none": "tool calling",
-    "return_tokens_as_token_ids": "logprob tokens as 'token_id:N' strings",
     "enable_prompt_tokens_details": "prompt_tokens_details in usage",
     "enable_server_load_tracking": "server load tracking",
     "enable_tokenizer_info_endpoint": "the /tokenizer_info endpoint",
     "enable_log_outputs": "logging generated outputs",
-    "trust_request_chat_template": "chat templates sent in requests",
     "tokens_only": "the tokens-only endpoint set",
     "enable_ssl_refresh": "reloading TLS certificates while running",
 }
-_STORE_TRUE = frozenset({"enable_auto_tool_choice", "exclude_tools_when_tool_choice_none", "return_tokens_as_token_ids",
+_STORE_TRUE = frozenset({"enable_auto_tool_choice", "exclude_tools_when_tool_choice_none",
                          "enable_prompt_tokens_details", "enable_server_load_tracking",
-                         "enable_tokenizer_info_endpoint", "enable_log_outputs", "trust_request_chat_template",
-                         "tokens_only", "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs"})
+                         "enable_tokenizer_info_endpoint", "enable_log_outputs", "tokens_only", "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs"})
 _INT_FLAGS = frozenset({"h11_max_incomplete_event_size", "h11_max_header_count", "max_log_len"})
 
 
@@ -117,6 +114,10 @@ def add_server_flags(group: argparse._ArgumentGroup) -> None:
                        help="chat template kwargs for every request (a JSON object; a request's own win)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="end every stream with a usage chunk, as if stream_options.include_usage were set")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprob tokens as 'token_id:N' strings (a request's return_tokens_as_token_ids wins)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat request bring its own `chat_template` (else such a request is a 400)")
     for name in [*NOOP_FLAGS, *REFUSED_FLAGS]:
         flag = "--" + name.replace("_", "-")
         if name in _STORE_TRUE:

@@ -26,6 +26,7 @@ from tidal.frontend.openai.protocol import (
     PromptLogprobs,
     SamplingFields,
     StreamHeader,
+    UsageInfo,
 )
 from tidal.frontend.tokenizer import LONG_TEXT_CHARS, check_prompt_chars, prompt_char_limit
 from tidal.protocol.outputs import RequestOutput
@@ -79,6 +80,37 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(prefix: str, request: Request, req: SamplingFields) -> tuple[str, str]:
+    """(the id the response reports, the base of its engine request ids). As vLLM's: the
+    `X-Request-Id` header, else the body's `request_id`, else a random one, after `prefix-`.
+    A caller's id need not be unique, so the engine's ids then get a random suffix."""
+    given = request.headers.get("x-request-id") or req.request_id
+    if not given:
+        rid = new_id(prefix)
+        return rid, rid
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:12]}"
+
+
+def check_request(req: SamplingFields) -> None:
+    """vLLM's request validators that no SamplingParams field covers: 400 naming the field."""
+    if req.stream and req.prompt_logprobs:  # 0 asks for none, as vLLM allows
+        raise APIError("`prompt_logprobs` are not available when `stream=True`.",
+                       HTTPStatus.BAD_REQUEST, "prompt_logprobs")
+    if req.stream_options is not None and req.stream_options.given and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.",
+                       HTTPStatus.BAD_REQUEST, "stream_options")
+    if req.use_beam_search:
+        raise APIError("use_beam_search is not supported by tidal's server (LLM.beam_search offers it offline)",
+                       HTTPStatus.BAD_REQUEST, "use_beam_search")
+    if req.logits_processors:
+        raise APIError("The `logits_processors` argument is not supported by this server.",
+                       HTTPStatus.BAD_REQUEST, "logits_processors")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise APIError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                       HTTPStatus.BAD_REQUEST, "cache_salt")
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     """tidal serve's flags for chat and streams (vLLM's names: --response-role,
@@ -88,6 +120,8 @@ class ChatOptions:
     content_format: str = "auto"  # auto and string: text parts joined; openai: a list of text parts
     default_template_kwargs: dict[str, Any] = field(default_factory=dict)
     force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False  # every request's logprob tokens as "token_id:N"
+    trust_request_chat_template: bool = False  # a request may bring its own chat template
 
 
 class ServingContext:
@@ -119,6 +153,21 @@ class ServingContext:
             return requested
         raise APIError(f"The model `{requested}` does not exist.", HTTPStatus.NOT_FOUND, "model")
 
+    def tokens_as_ids(self, req: SamplingFields) -> bool:
+        """Logprob tokens as "token_id:N": the request's choice, else the server's flag."""
+        if req.return_tokens_as_token_ids is not None:
+            return req.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids
+
+    @staticmethod
+    def engine_prompt(text: str | None, ids: list[int], req: SamplingFields) -> dict[str, Any]:
+        """The prompt for AsyncLLM.generate: text (kept for RequestOutput.prompt), ids, and the
+        request's prefix-cache salt."""
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
+        return prompt
+
     def needs_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise APIError("this endpoint needs a tokenizer (the server runs with skip_tokenizer_init)")
@@ -149,8 +198,12 @@ class ServingContext:
         """max_tokens for the engine: as asked, or what the context window leaves (None);
         400 with vLLM's message when prompt + max_tokens does not fit."""
         max_len = self.max_model_len
-        if max_tokens is None or prompt_len >= max_len:
-            return max_tokens  # the engine names an over-long prompt itself
+        if truncate is None and prompt_len >= max_len:  # no room for one token: vLLM's words
+            raise APIError(f"This model's maximum context length is {max_len} tokens. However, your request "
+                           f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+                           HTTPStatus.BAD_REQUEST)
+        if max_tokens is None:
+            return max_tokens
         if truncate is None and prompt_len + max_tokens > max_len:
             raise APIError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
@@ -182,12 +235,6 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
                     prompt_logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams (ValueError, i.e. 400, for a value out of range);
     DELTA output when streamed, else FINAL_ONLY."""
-    if req.stream and req.prompt_logprobs is not None:
-        raise APIError("`prompt_logprobs` are not available when `stream=True`.",
-                       HTTPStatus.BAD_REQUEST, "prompt_logprobs")
-    if req.stream_options is not None and not req.stream:
-        raise APIError("Stream options can only be defined when `stream=True`.",
-                       HTTPStatus.BAD_REQUEST, "stream_options")
     return SamplingParams.from_optional(
         n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, temperature=req.temperature, top_p=req.top_p,
@@ -224,7 +271,18 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
 
 
 def include_usage(req: SamplingFields, ctx: ServingContext) -> bool:
-    return ctx.options.force_include_usage or (req.stream_options is not None and req.stream_options.include_usage)
+    return ctx.options.force_include_usage or (req.stream_options is not None and req.stream_options.usage)
+
+
+def continuous_usage(req: SamplingFields) -> bool:
+    """stream_options.continuous_usage_stats (with include_usage): usage in every chunk."""
+    return req.stream_options is not None and req.stream_options.continuous
+
+
+def usage_tail(prompt_tokens: int, completion_tokens: int) -> bytes:
+    """A chunk's tail carrying the usage so far (continuous_usage_stats)."""
+    usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+    return b'],"usage":' + _encode(usage) + b"}\n\n"
 
 
 def stream_framing(obj: str, request_id: str, model: str, with_usage: bool) -> tuple[bytes, bytes]:

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
+from tidal.frontend.chat_utils import content_text
+from tidal.frontend.chat_utils import normalize_messages as normalize_chat
 from tidal.frontend.openai.errors import APIError
 from tidal.frontend.openai.protocol import (
     ChatChoice,
@@ -24,6 +26,7 @@ from tidal.frontend.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatStreamChoice,
+    ChatStreamChoiceIds,
     ChatTopLogprob,
     DeltaMessage,
     UsageChunk,
@@ -33,71 +36,59 @@ from tidal.frontend.openai.serving_base import (
     DONE,
     ServingContext,
     SSEResponse,
+    check_request,
+    continuous_usage,
     final_output,
     include_usage,
-    new_id,
     primed,
     prompt_logprobs_out,
+    request_ids,
     sampling_params,
     sse,
     sse_error,
     stream_framing,
     truncated,
     until_disconnect,
+    usage_tail,
 )
 from tidal.protocol.outputs import RequestOutput
 
 _encode = msgspec.json.encode
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                      "Refused request with untrusted chat template.")
 NO_TEMPLATE = ("This model's tokenizer has no chat template, so chat completions are not available "
                "(transformers has no default chat template since v4.44). Start the server with "
                "`--chat-template FILE` (a Jinja template) or use /v1/completions.")
 
 
 def _content_text(content: Any) -> str | None:
-    """OpenAI content: a string, or parts of which tidal takes the text ones (joined by newlines,
-    vLLM's "string" content format)."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(f"message content part of type {kind!r} is not supported (text only)",
-                               HTTPStatus.BAD_REQUEST, "messages")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise APIError("message content must be a string or a list of content parts", HTTPStatus.BAD_REQUEST,
-                   "messages")
+    try:
+        return content_text(content)
+    except ValueError as e:
+        raise APIError(str(e), HTTPStatus.BAD_REQUEST, "messages") from None
 
 
 def normalize_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
-    """Messages as the template gets them: content as one string, or (content_format "openai")
-    as OpenAI's list of text parts, a string content becoming one part."""
-    if not messages:
-        raise APIError("messages must hold at least one message", HTTPStatus.BAD_REQUEST, "messages")
-    out = []
-    for m in messages:
-        if not isinstance(m.get("role"), str):
-            raise APIError("every message needs a string 'role'", HTTPStatus.BAD_REQUEST, "messages")
-        text = _content_text(m.get("content"))  # validates the parts (text only)
-        if content_format == "openai" and text is not None:
-            content: Any = ([{"type": "text", "text": p["text"]} for p in m["content"]]
-                            if isinstance(m["content"], list) else [{"type": "text", "text": text}])
-        else:
-            content = text
-        out.append({**m, "content": content})
-    return out
+    """chat_utils.normalize_messages, its ValueError a 400 naming `messages`."""
+    try:
+        return normalize_chat(messages, content_format)
+    except ValueError as e:
+        raise APIError(str(e), HTTPStatus.BAD_REQUEST, "messages") from None
 
 
 async def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                      continue_final_message: bool, kwargs: dict[str, Any] | None) -> str:
-    """The prompt text of `messages`; 400 when there is no template or it fails on them.
+                      continue_final_message: bool, kwargs: dict[str, Any] | None,
+                      request_template: str | None = None, extra: dict[str, Any] | None = None) -> str:
+    """The prompt text of `messages`; 400 when there is no template or it fails on them. A
+    request's own template (`request_template`) needs --trust-request-chat-template; `extra`:
+    apply_chat_template's `documents` and `tools`, when the request has them.
     The template renders in the server's render pool (ServingContext.in_thread): jinja2 is Python
     (100,000 messages took seconds) and the first render loads transformers' tokenizer; the
     event loop's thread keeps its share of the GIL meanwhile."""
     tok = ctx.needs_tokenizer()
-    template = ctx.chat_template or getattr(tok, "chat_template", None)
+    if request_template is not None and not ctx.options.trust_request_chat_template:
+        raise APIError(UNTRUSTED_TEMPLATE, HTTPStatus.BAD_REQUEST, "chat_template")
+    template = request_template or ctx.chat_template or getattr(tok, "chat_template", None)
     if not template:
         raise APIError(NO_TEMPLATE, HTTPStatus.BAD_REQUEST, "messages")
     if add_generation_prompt and continue_final_message:
@@ -108,7 +99,7 @@ async def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, ad
         text = await ctx.in_thread(
             tok.apply_chat_template, normalize_messages(messages, options.content_format), chat_template=template,
             tokenize=False, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            **{**options.default_template_kwargs, **(kwargs or {})})
+            **{**options.default_template_kwargs, **(kwargs or {}), **(extra or {})})
     except APIError:
         raise
     except Exception as e:  # jinja2 errors, raise_exception() in the template, bad kwargs
@@ -117,9 +108,12 @@ async def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, ad
     return str(text)
 
 
-def chat_logprobs(token_ids: list[int], positions: Any, k: int, tokenizer: Any) -> ChatLogprobs:
-    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the top `k`."""
+def chat_logprobs(token_ids: list[int], positions: Any, k: int, tokenizer: Any, as_ids: bool = False) -> ChatLogprobs:
+    """OpenAI's chat logprobs: per token its text ("token_id:N" with `as_ids`), logprob, UTF-8
+    bytes and the top `k`."""
     def text(t: int, decoded: str | None) -> str:
+        if as_ids:
+            return f"token_id:{t}"
         return decoded if decoded is not None else tokenizer.decode([t])
 
     content = []
@@ -141,22 +135,28 @@ class ChatHandler:
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
         ctx = self.ctx
         model = ctx.model_name(req.model)
-        if req.tools:
-            raise APIError("tools (function calling) are not supported by tidal", HTTPStatus.BAD_REQUEST, "tools")
+        check_request(req)
+        if req.tool_choice not in (None, "none") and req.tools is None:
+            raise APIError("When using `tool_choice`, `tools` must be set.", HTTPStatus.BAD_REQUEST, "tool_choice")
+        if req.tools and req.tool_choice != "none":  # "none": the template sees them, nothing parses calls
+            raise APIError("tools (function calling) are not supported by tidal; with tool_choice \"none\" the "
+                           "tools only reach the chat template", HTTPStatus.BAD_REQUEST, "tools")
         if req.top_logprobs and not req.logprobs:
             raise APIError("when using `top_logprobs`, `logprobs` must be set to true.",
                            HTTPStatus.BAD_REQUEST, "top_logprobs")
         ctx.limits.check(1, req, ctx.vocab_size)
+        extra = {name: value for name, value in (("documents", req.documents), ("tools", req.tools)) if value}
         text = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
+                                 continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs,
+                                 request_template=req.chat_template, extra=extra)
         ids = truncated(await ctx.encode(text, req.add_special_tokens, req.truncate_prompt_tokens, "messages"),
                         req.truncate_prompt_tokens, ctx.max_model_len)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = ctx.resolve_max_tokens(len(ids), asked, None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
-        rid = new_id("chatcmpl")
-        gen = ctx.engine.generate({"prompt": text, "prompt_token_ids": ids}, params, rid, priority=req.priority)
+        rid, engine_rid = request_ids("chatcmpl", request, req)
+        gen = ctx.engine.generate(ctx.engine_prompt(text, ids, req), params, engine_rid, priority=req.priority)
         if req.stream:
             first, gen = await until_disconnect(request, primed(gen))
             return SSEResponse(self._stream(req, rid, model, first, gen))
@@ -173,41 +173,66 @@ class ChatHandler:
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], positions: Any) -> ChatLogprobs | None:
         if not req.logprobs:
             return None
-        return chat_logprobs(token_ids, positions or [], req.top_logprobs or 0, self.ctx.tokenizer)
+        return chat_logprobs(token_ids, positions or [], req.top_logprobs or 0, self.ctx.tokenizer,
+                             self.ctx.tokens_as_ids(req))
+
+    def _echoed(self, req: ChatCompletionRequest, role: str) -> str:
+        """What `echo` puts before the reply: the last message's text when it has the reply's
+        role (vLLM's rule), else nothing."""
+        last = req.messages[-1]
+        if not req.echo or last.get("role") != role:
+            return ""
+        return _content_text(last.get("content")) or ""
 
     def _response(self, req: ChatCompletionRequest, rid: str, model: str,
                   final: RequestOutput) -> ChatCompletionResponse:
         choices, completion_tokens = [], 0
+        role = self._role(req)
+        echoed, ids = self._echoed(req, role), req.return_token_ids
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
-            choices.append(ChatChoice(o.index, ChatMessage(self._role(req), o.text),
-                                      self._logprobs(req, o.token_ids, o.logprobs), o.finish_reason, o.stop_reason))
+            choices.append(ChatChoice(o.index, ChatMessage(role, echoed + o.text),
+                                      self._logprobs(req, o.token_ids, o.logprobs), o.finish_reason, o.stop_reason,
+                                      o.token_ids if ids else None))
         prompt_tokens = len(final.prompt_token_ids)
         usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
         prompt_lps = prompt_logprobs_out(final) if req.prompt_logprobs is not None else None
         return ChatCompletionResponse(id=rid, created=int(time.time()), model=model, choices=choices,
-                                      usage=usage, prompt_logprobs=prompt_lps)
+                                      usage=usage, prompt_logprobs=prompt_lps,
+                                      prompt_token_ids=final.prompt_token_ids if ids else None)
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, model: str, first: RequestOutput,
                       gen: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
         with_usage = include_usage(req, self.ctx)
+        continuous = with_usage and continuous_usage(req)
         prefix, suffix = stream_framing("chat.completion.chunk", rid, model, with_usage)
         prompt_tokens, completion_tokens = len(first.prompt_token_ids), 0
+        choice_tokens = [0] * req.n  # per choice (continuous usage)
         # Events ready at once share one write: the role chunks with the first output, an
         # output's choices (n > 1), and the tail (the last chunk, the usage chunk and [DONE]).
         parts: list[bytes] = []
         try:
             role = self._role(req)
+            echoed = self._echoed(req, role)
+            # The first chunk carries the prompt's ids with return_token_ids (vLLM's place).
+            first_tail = suffix if not req.return_token_ids else (
+                b'],"prompt_token_ids":' + _encode(first.prompt_token_ids) + suffix[1:])
             for i in range(req.n):  # each choice opens with the role, as OpenAI's streams do
-                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role=role, content=""))) + suffix)
+                tail = usage_tail(prompt_tokens, 0) if continuous else first_tail if i == 0 else suffix
+                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role=role, content=""))) + tail)
+                if echoed:
+                    parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(content=echoed))) + (
+                        usage_tail(prompt_tokens, 0) if continuous else suffix))
             out: RequestOutput | None = first
             while out is not None:
                 for o in out.outputs:
                     completion_tokens += len(o.token_ids)
-                    choice = ChatStreamChoice(o.index, DeltaMessage(content=o.text),
-                                              self._logprobs(req, o.token_ids, o.logprobs),
-                                              o.finish_reason, o.stop_reason)
-                    parts.append(prefix + _encode(choice) + suffix)
+                    choice = self._chunk(req, o)
+                    if continuous:
+                        choice_tokens[o.index] += len(o.token_ids)
+                        parts.append(prefix + _encode(choice) + usage_tail(prompt_tokens, choice_tokens[o.index]))
+                    else:
+                        parts.append(prefix + _encode(choice) + suffix)
                 if out.finished:
                     break
                 if parts:
@@ -223,3 +248,10 @@ class ChatHandler:
             await gen.aclose()  # type: ignore[attr-defined]  # aborts the request if the client left
         parts.append(DONE)
         yield b"".join(parts)
+
+    def _chunk(self, req: ChatCompletionRequest, o: Any) -> ChatStreamChoice:
+        logprobs = self._logprobs(req, o.token_ids, o.logprobs)
+        if req.return_token_ids:
+            return ChatStreamChoiceIds(o.index, DeltaMessage(content=o.text), logprobs, o.finish_reason,
+                                       o.stop_reason, o.token_ids)
+        return ChatStreamChoice(o.index, DeltaMessage(content=o.text), logprobs, o.finish_reason, o.stop_reason)

@@ -20,6 +20,7 @@ from tidal.frontend.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
+    CompletionStreamChoiceIds,
     UsageChunk,
     UsageInfo,
 )
@@ -27,19 +28,22 @@ from tidal.frontend.openai.serving_base import (
     DONE,
     ServingContext,
     SSEResponse,
+    check_request,
+    continuous_usage,
     final_output,
     gather_all,
     include_usage,
     merged,
-    new_id,
     primed,
     prompt_logprobs_out,
+    request_ids,
     sampling_params,
     sse,
     sse_error,
     stream_framing,
     truncated,
     until_disconnect,
+    usage_tail,
 )
 from tidal.protocol.outputs import CompletionOutput, RequestOutput
 
@@ -87,12 +91,15 @@ def _logprob_params(req: CompletionRequest) -> tuple[int | None, int | None]:
 
 class LogprobsBuilder:
     """OpenAI's completion logprobs (vLLM's _create_completion_logprobs): per token its text,
-    logprob, the top `k` (plus the chosen one) by text, and its character offset in the text."""
+    logprob, the top `k` (plus the chosen one) by text, and its character offset in the text;
+    `as_ids` (return_tokens_as_token_ids): each token's text is "token_id:N"."""
 
-    def __init__(self, tokenizer: Any, k: int) -> None:
-        self.tokenizer, self.k = tokenizer, k
+    def __init__(self, tokenizer: Any, k: int, as_ids: bool = False) -> None:
+        self.tokenizer, self.k, self.as_ids = tokenizer, k, as_ids
 
     def _text(self, token_id: int, decoded: str | None) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         if decoded is not None:
             return decoded
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
@@ -126,17 +133,18 @@ class CompletionsHandler:
         model = ctx.model_name(req.model)
         if req.suffix:
             raise APIError("suffix is not supported", HTTPStatus.BAD_REQUEST, "suffix")
+        check_request(req)
         ctx.limits.check(_num_prompts(req.prompt), req, ctx.vocab_size)
         prompts = await completion_prompts(ctx, req)
         logprobs, prompt_lps = _logprob_params(req)
-        rid = new_id("cmpl")
+        rid, engine_rid = request_ids("cmpl", request, req)
         gens = []
         for i, (text, ids) in enumerate(prompts):
             ids = truncated(ids, req.truncate_prompt_tokens, ctx.max_model_len)
             max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, None)
             params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_lps)
-            gens.append(ctx.engine.generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                            f"{rid}-{i}", priority=req.priority))
+            gens.append(ctx.engine.generate(ctx.engine_prompt(text, ids, req), params,
+                                            f"{engine_rid}-{i}", priority=req.priority))
         if req.stream:
             streams = await until_disconnect(request, gather_all([primed(g) for g in gens]))
             return SSEResponse(self._stream(req, rid, model, streams))
@@ -146,7 +154,7 @@ class CompletionsHandler:
     # --------------------------------------------------------------------- whole
     def _response(self, req: CompletionRequest, rid: str, model: str,
                   finals: list[RequestOutput]) -> CompletionResponse:
-        builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0)
+        builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0, self.ctx.tokens_as_ids(req))
         choices, usage = [], UsageInfo()
         for i, final in enumerate(finals):
             usage.prompt_tokens += len(final.prompt_token_ids)
@@ -159,14 +167,17 @@ class CompletionsHandler:
     def _choice(self, req: CompletionRequest, builder: LogprobsBuilder, index: int, final: RequestOutput,
                 o: CompletionOutput) -> CompletionChoice:
         text, logprobs = o.text, None
-        prompt_text = self._prompt_text(final) if req.echo else ""
+        # With return_token_ids the ids carry the prompt, and echo adds no text (vLLM's way).
+        prompt_text = self._prompt_text(final) if req.echo and not req.return_token_ids else ""
         if req.logprobs is not None:
             logprobs = builder.build(o.token_ids, o.logprobs or [], len(prompt_text))
             if req.echo and final.prompt_logprobs is not None:
                 head = builder.build(final.prompt_token_ids, final.prompt_logprobs, 0)
                 logprobs = _concat(head, logprobs)
+        ids = req.return_token_ids
         return CompletionChoice(index, prompt_text + text, logprobs, o.finish_reason, o.stop_reason,
-                                prompt_logprobs_out(final) if req.prompt_logprobs is not None else None)
+                                prompt_logprobs_out(final) if req.prompt_logprobs is not None else None,
+                                final.prompt_token_ids if ids else None, o.token_ids if ids else None)
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -178,9 +189,11 @@ class CompletionsHandler:
     async def _stream(self, req: CompletionRequest, rid: str, model: str,
                       streams: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]) -> AsyncIterator[bytes]:
         with_usage = include_usage(req, self.ctx)
+        continuous = with_usage and continuous_usage(req)
         prefix, suffix = stream_framing("text_completion", rid, model, with_usage)
-        builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0)
+        builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0, self.ctx.tokens_as_ids(req))
         offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
+        choice_tokens: dict[int, int] = {}  # choice index -> tokens streamed (continuous usage)
         seen_prompts: set[int] = set()
         prompt_tokens = completion_tokens = 0
         outputs = merged(streams)
@@ -199,8 +212,12 @@ class CompletionsHandler:
                     first = index not in offsets  # this choice's first chunk
                     if first:
                         offsets[index] = 0
-                    choice = self._chunk(req, builder, index, out, o, offsets, first and req.echo)
-                    parts.append(prefix + _encode(choice) + suffix)
+                    choice = self._chunk(req, builder, index, out, o, offsets, first)
+                    if continuous:
+                        choice_tokens[index] = n = choice_tokens.get(index, 0) + len(o.token_ids)
+                        parts.append(prefix + _encode(choice) + usage_tail(len(out.prompt_token_ids), n))
+                    else:
+                        parts.append(prefix + _encode(choice) + suffix)
                 if out.finished:
                     left -= 1
                 if left and parts:
@@ -217,16 +234,22 @@ class CompletionsHandler:
         yield b"".join(parts)
 
     def _chunk(self, req: CompletionRequest, builder: LogprobsBuilder, index: int, out: RequestOutput,
-               o: CompletionOutput, offsets: dict[int, int], echo: bool) -> CompletionStreamChoice:
+               o: CompletionOutput, offsets: dict[int, int], first: bool) -> CompletionStreamChoice:
+        """One choice's chunk; `first`: the choice's first, which echoes the prompt (its ids
+        instead of its text with return_token_ids, as vLLM)."""
         text, logprobs = o.text, None
         offset = offsets[index]
-        if echo:
+        echo = first and bool(req.echo)
+        if echo and not req.return_token_ids:
             text = self._prompt_text(out) + text
         if req.logprobs is not None:
             logprobs = builder.build(o.token_ids, o.logprobs or [], offset + (len(text) - len(o.text)))
             if echo and out.prompt_logprobs is not None:
                 logprobs = _concat(builder.build(out.prompt_token_ids, out.prompt_logprobs, offset), logprobs)
         offsets[index] = offset + len(text)
+        if req.return_token_ids:
+            return CompletionStreamChoiceIds(index, text, logprobs, o.finish_reason, o.stop_reason, o.token_ids,
+                                             out.prompt_token_ids if first else None)
         return CompletionStreamChoice(index, text, logprobs, o.finish_reason, o.stop_reason)
 
 
