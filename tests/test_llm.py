@@ -306,3 +306,20 @@ def test_generation_config_defaults(long_model_dir: str, tmp_path: Any) -> None:
         assert llm.get_default_sampling_params() == SamplingParams()
         (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
         assert len(out.outputs[0].token_ids) == SamplingParams().max_tokens
+
+
+def test_script_ending_without_shutdown_exits_quietly(tiny_model_dir: str) -> None:
+    """vLLM's examples never call shutdown(): the core is stopped at interpreter exit, which is
+    no death (nothing logged, no restart). The atexit sleep, registered first so it runs last,
+    stands in for a slow exit and makes the watcher's race certain to be run."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, time\natexit.register(time.sleep, 0.5)\n"
+              "from tidal import LLM, SamplingParams\n"
+              f"llm = LLM(model={tiny_model_dir!r}, max_model_len=128, num_kv_blocks=16)\n"
+              "print(len(llm.generate('hi', SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)"
+              "[0].outputs[0].token_ids))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr
+    assert "dead" not in done.stderr and "restart" not in done.stderr, done.stderr
