@@ -191,6 +191,11 @@ class InputProcessor:
                                     cache_salt=salt)
         return request, text
 
+    def _draw_seed(self, params: SamplingParams) -> int:
+        """A seed for an unseeded request, with room for its n > 1 children's seed + i within
+        int64 (the core's seed type)."""
+        return self._seeds.randrange(min(_SEED_LIMIT, (1 << 63) - params.n))
+
     def _changes(self, params: SamplingParams) -> dict[str, Any]:
         """What the front-end sets in a request's params: the bad words' token ids (always, so a
         caller's own value never travels), a drawn seed, the extra EOS ids as stop ids."""
@@ -201,8 +206,7 @@ class InputProcessor:
         elif params.bad_words_token_ids is not None:
             changes["_bad_words_token_ids"] = None
         if params.seed is None:
-            # Room for the n > 1 children's seed + i within int64 (the core's seed type).
-            changes["seed"] = self._seeds.randrange(min(_SEED_LIMIT, (1 << 63) - params.n))
+            changes["seed"] = self._draw_seed(params)
         if self.extra_eos_token_ids and not params.ignore_eos:
             stop_ids = list(params.stop_token_ids or ())
             extra = [t for t in self.extra_eos_token_ids if t not in stop_ids]
@@ -221,6 +225,9 @@ class InputProcessor:
         if isinstance(params, SamplingParams) and params.bad_words:
             chars += sum(map(len, params.bad_words))
         if chars > LONG_TEXT_CHARS:
+            if isinstance(params, SamplingParams) and params.seed is None:
+                # Drawn here, in arrival order: in the thread it would be in finishing order.
+                params = params.clone(seed=self._draw_seed(params))
             return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time, priority)
         return self.process(request_id, prompt, params, arrival_time, priority)
 

@@ -1,6 +1,8 @@
 """n > 1 requests (vLLM V1's parallel_sampling.py): one parent, n children in the core."""
 from __future__ import annotations
 
+import msgspec
+
 from tidal.protocol.messages import EngineCoreRequest
 from tidal.protocol.outputs import CompletionOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
@@ -18,13 +20,13 @@ class ParentRequest:
         self.output_aggregator: list[CompletionOutput | None] = [None] * sampling_params.n
 
     def make_children(self, request: EngineCoreRequest) -> list[EngineCoreRequest]:
-        """The n child `EngineCoreRequest`s of the parent's (processed) request."""
+        """The n child `EngineCoreRequest`s of the parent's (processed) request: copies of it
+        (every field, e.g. cache_salt) but for their ids and params."""
         seed, children = self.sampling_params.seed, []
         for i in range(self.sampling_params.n):
             params = self.sampling_params.clone(n=1, seed=None if seed is None else seed + i)
-            children.append(EngineCoreRequest(f"{i}_{self.request_id}", request.prompt_token_ids,
-                                              params, request.eos_token_id, request.arrival_time,
-                                              priority=request.priority))
+            children.append(msgspec.structs.replace(request, request_id=f"{i}_{self.request_id}",
+                                                    sampling_params=params))
         self.child_requests.update(c.request_id for c in children)
         return children
 

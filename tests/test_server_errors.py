@@ -104,6 +104,13 @@ def test_requests_over_the_limits_are_400(server: Server, path: str, body: dict,
     assert status == 200 and len(resp["choices"]) == 6  # type: ignore[index]
 
 
+def test_request_chat_template_needs_the_trust_flag(server: Server) -> None:
+    status, body = post_json(server.url + "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"}, AUTH)
+    assert_openai_error(status, body, 400)
+    assert body["error"]["param"] == "chat_template" and "--trust-request-chat-template" in body["error"]["message"]
+
+
 def test_malformed_json_is_400(server: Server) -> None:
     status, body = http_request("POST", server.url + "/v1/completions", b"{not json", AUTH)
     assert_openai_error(status, json.loads(body), 400)

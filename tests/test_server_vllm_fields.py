@@ -11,7 +11,17 @@ from typing import Any
 
 import pytest
 
-from tests.server_utils import CHAT_TEMPLATE, Server, assert_openai_error, http_get, http_request, post_json
+import threading
+
+from tests.server_utils import (
+    CHAT_TEMPLATE,
+    Server,
+    assert_openai_error,
+    http_get,
+    http_request,
+    parse_metrics,
+    post_json,
+)
 
 KEYS = ("sk-one", "sk-two")
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
@@ -112,6 +122,18 @@ def test_return_token_ids(server: Server) -> None:
                                                             "return_token_ids": True, "temperature": 0})
     assert events[0]["prompt_token_ids"] == out["prompt_token_ids"]
     assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == ids
+    # n = 2, with continuous usage: every choice's role chunk has the prompt's ids and the usage
+    events = stream_events(server, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "n": 2, "return_token_ids": True,
+        "stream_options": {"continuous_usage_stats": True}})
+    roles = [e for e in events if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert sorted(e["choices"][0]["index"] for e in roles) == [0, 1]
+    assert all(e["prompt_token_ids"] == out["prompt_token_ids"] and e["usage"]["completion_tokens"] == 0
+               for e in roles)
+    for index in (0, 1):
+        chunks = [e for e in events if e["choices"] and e["choices"][0]["index"] == index and e not in roles]
+        assert sum(len(e["choices"][0]["token_ids"]) for e in chunks) == 3
+        assert chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_return_tokens_as_token_ids(server: Server) -> None:
@@ -126,6 +148,8 @@ def test_return_tokens_as_token_ids(server: Server) -> None:
                                                 "return_tokens_as_token_ids": True, "return_token_ids": True})
     content = out["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in out["choices"][0]["token_ids"]]
+    for c, t in zip(content, out["choices"][0]["token_ids"]):  # bytes: the token's own text's, as vLLM's
+        assert bytes(c["bytes"]).decode("utf-8", "replace") == post(server, "/detokenize", {"tokens": [t]})["prompt"]
     assert all(re.fullmatch(r"token_id:\d+", t["token"]) for c in content for t in c["top_logprobs"])
 
 
@@ -138,6 +162,22 @@ def test_request_ids(server: Server) -> None:
     events = stream_events(server, "/v1/completions", {"prompt": [5], "max_tokens": 2, "request_id": "mine"})
     assert {e["id"] for e in events} == {"cmpl-mine"}
     assert post(server, "/v1/completions", {"prompt": [5], "max_tokens": 1})["id"].startswith("cmpl-")
+    # one caller id on two requests in flight together: both served, both named by it
+    results: list[Any] = []
+
+    def run() -> None:
+        results.append(stream_events(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 40,
+                                                                 "ignore_eos": True, "request_id": "same"}))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 2
+    for events in results:
+        assert {e["id"] for e in events} == {"cmpl-same"}
+        assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"  # ran to the end
 
 
 def test_chat_echo_and_request_template(server: Server) -> None:
@@ -184,9 +224,19 @@ def test_stream_with_zero_prompt_logprobs_is_allowed(server: Server) -> None:
     assert events and all("error" not in e for e in events)
 
 
-def test_cache_salt_is_served(server: Server) -> None:
-    out = post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "cache_salt": "tenant-a"})
-    assert out["usage"]["completion_tokens"] == 2
+def test_cache_salt_isolates_prefix_cache_hits(server: Server) -> None:
+    """Counted by the server's own prefix-cache counter: a salt hits only its own blocks."""
+    ids = list(range(300, 340))  # 2 full blocks of 16 can hit (the last token is recomputed)
+
+    def hits_after(body: dict[str, Any]) -> float:
+        before = parse_metrics(http_get(server.url + "/metrics")[1].decode())["tidal:prefix_cache_hits_total"]
+        post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, **body})
+        return parse_metrics(http_get(server.url + "/metrics")[1].decode())["tidal:prefix_cache_hits_total"] - before
+
+    assert hits_after({"cache_salt": "tenant-a"}) == 0
+    assert hits_after({"cache_salt": "tenant-a", "n": 2}) == 64  # both children hit: n > 1 keeps the salt
+    assert hits_after({"cache_salt": "tenant-b"}) == 0
+    assert hits_after({}) == 0
 
 
 def test_api_key_forms_and_ping(server: Server) -> None:
@@ -196,3 +246,16 @@ def test_api_key_forms_and_ping(server: Server) -> None:
         assert http_get(server.url + "/v1/models", {"Authorization": value})[0] == 401, value
     assert http_get(server.url + "/ping")[0] == 200  # open, as /health
     assert http_request("POST", server.url + "/ping", b"")[0] == 200
+
+
+def test_api_keys_must_not_be_empty() -> None:
+    from starlette.applications import Starlette
+
+    from tidal.frontend.cli import build_parser
+    from tidal.frontend.openai.api_server import APIKeyMiddleware
+    from tidal.frontend.openai.server_flags import check_server_flags
+
+    with pytest.raises(ValueError, match="--api-key: an empty key"):
+        check_server_flags(build_parser().parse_args(["serve", "m", "--api-key", "k", ""]))
+    with pytest.raises(ValueError, match="non-empty"):
+        APIKeyMiddleware(Starlette(), ["k", ""])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import signal
@@ -85,13 +86,17 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str | Sequence[str]) -> None:
         keys = [api_key] if isinstance(api_key, str) else list(api_key)
-        self.app, self.keys = app, [k.encode() for k in keys]
+        if not keys or not all(keys):
+            raise ValueError("an API key must be a non-empty string")
+        # Digests are compared, so neither a key's length nor which key matched shows in the time.
+        self.app, self.digests = app, [hashlib.sha256(k.encode()).digest() for k in keys]
 
     def _authorized(self, header: bytes) -> bool:
         scheme, _, token = header.partition(b" ")
+        got = hashlib.sha256(token.strip()).digest()
         ok = False
-        for key in self.keys:  # every key compared: the time does not tell which one matched
-            ok |= hmac.compare_digest(token.strip(), key)
+        for digest in self.digests:  # every key compared
+            ok |= hmac.compare_digest(got, digest)
         return ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -317,8 +322,8 @@ async def run_server(args: Any) -> None:
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
             args.enable_force_include_usage, args.return_tokens_as_token_ids, args.trust_request_chat_template),
             limits)
-        keys = [k for k in args.api_key or [envs.TIDAL_API_KEY] if k]  # an empty key would let "Bearer " in
-        app = build_app(ctx, api_key=keys or None, max_body_bytes=args.max_request_body_bytes, flags=args)
+        keys = args.api_key or ([envs.TIDAL_API_KEY] if envs.TIDAL_API_KEY else None)
+        app = build_app(ctx, api_key=keys, max_body_bytes=args.max_request_body_bytes, flags=args)
         config = uvicorn.Config(app, http="httptools", lifespan="on", log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path or "",

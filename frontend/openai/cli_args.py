@@ -22,7 +22,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", nargs="+", default=None,
                        help=f"require 'Authorization: Bearer KEY', KEY any of these (also ${API_KEY_ENV}); "
-                            "/health and /metrics stay open")
+                            "/health, /ping and /metrics stay open")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file (or the template itself) overriding the tokenizer's")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,

@@ -32,7 +32,8 @@ class StreamOptions(msgspec.Struct):
 
     @property
     def continuous(self) -> bool:
-        return self.usage and self.continuous_usage_stats is not msgspec.UNSET and bool(self.continuous_usage_stats)
+        """Usage in every chunk, when usage is included at all (see serving_base.include_usage)."""
+        return self.continuous_usage_stats is not msgspec.UNSET and bool(self.continuous_usage_stats)
 
 
 class JsonSchemaResponseFormat(msgspec.Struct, kw_only=True):

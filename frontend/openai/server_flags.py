@@ -54,7 +54,8 @@ REFUSED_FLAGS: dict[str, str] = {
 }
 _STORE_TRUE = frozenset({"enable_auto_tool_choice", "exclude_tools_when_tool_choice_none",
                          "enable_prompt_tokens_details", "enable_server_load_tracking",
-                         "enable_tokenizer_info_endpoint", "enable_log_outputs", "tokens_only", "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs"})
+                         "enable_tokenizer_info_endpoint", "enable_log_outputs", "tokens_only",
+                         "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs"})
 _INT_FLAGS = frozenset({"h11_max_incomplete_event_size", "h11_max_header_count", "max_log_len"})
 
 
@@ -140,7 +141,10 @@ def check_server_flags(args: argparse.Namespace) -> None:
     """Everything about these flags that can fail, before the engine starts: ValueError for a
     refused flag that was set, a half TLS setting, a --middleware that does not import, a
     --log-config-file that does not load or template kwargs that name apply_chat_template's
-    own parameters; one warning per no-op flag set to other than vLLM's default."""
+    own parameters, an empty --api-key (an unset shell variable: it would serve without a key);
+    one warning per no-op flag set to other than vLLM's default."""
+    if getattr(args, "api_key", None) is not None and not all(args.api_key):
+        raise ValueError("--api-key: an empty key (is the variable that should hold it unset?)")
     for name, feature in REFUSED_FLAGS.items():
         if getattr(args, name, None) not in (None, False, ""):
             raise ValueError(f"--{name.replace('_', '-')}: tidal does not support {feature}")

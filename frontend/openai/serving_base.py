@@ -194,17 +194,17 @@ class ServingContext:
         tokenizations in asyncio's default pool, and not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, truncate: int | None) -> int | None:
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int | None:
         """max_tokens for the engine: as asked, or what the context window leaves (None);
         400 with vLLM's message when prompt + max_tokens does not fit."""
         max_len = self.max_model_len
-        if truncate is None and prompt_len >= max_len:  # no room for one token: vLLM's words
+        if prompt_len >= max_len:  # no room for one token: vLLM's words
             raise APIError(f"This model's maximum context length is {max_len} tokens. However, your request "
                            f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
                            HTTPStatus.BAD_REQUEST)
         if max_tokens is None:
             return max_tokens
-        if truncate is None and prompt_len + max_tokens > max_len:
+        if prompt_len + max_tokens > max_len:
             raise APIError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
                 f"maximum context length is {max_len} tokens and your request has {prompt_len} input "
@@ -275,7 +275,8 @@ def include_usage(req: SamplingFields, ctx: ServingContext) -> bool:
 
 
 def continuous_usage(req: SamplingFields) -> bool:
-    """stream_options.continuous_usage_stats (with include_usage): usage in every chunk."""
+    """stream_options.continuous_usage_stats: usage in every chunk (callers check that usage is
+    included: by include_usage, or forced by --enable-force-include-usage, as vLLM)."""
     return req.stream_options is not None and req.stream_options.continuous
 
 

@@ -112,19 +112,22 @@ def chat_logprobs(token_ids: list[int], positions: Any, k: int, tokenizer: Any, 
     """OpenAI's chat logprobs: per token its text ("token_id:N" with `as_ids`), logprob, UTF-8
     bytes and the top `k`."""
     def text(t: int, decoded: str | None) -> str:
-        if as_ids:
-            return f"token_id:{t}"
         return decoded if decoded is not None else tokenizer.decode([t])
+
+    def shown(t: int, decoded: str | None) -> str:
+        return f"token_id:{t}" if as_ids else text(t, decoded)
 
     content = []
     for token_id, pos in zip(token_ids, positions):
         chosen = pos.get(token_id) if pos else None
-        tok = text(token_id, chosen.decoded_token if chosen is not None else None)
-        top = [ChatTopLogprob(s := text(t, lp.decoded_token), max(lp.logprob, -9999.0),
+        decoded = chosen.decoded_token if chosen is not None else None
+        top = [ChatTopLogprob(s := shown(t, lp.decoded_token), max(lp.logprob, -9999.0),
                               list(s.encode("utf-8", errors="replace")))
                for j, (t, lp) in enumerate(pos.items()) if j < k] if pos else []
         lp = max(chosen.logprob, -9999.0) if chosen is not None else -9999.0
-        content.append(ChatLogprobContent(tok, lp, list(tok.encode("utf-8", errors="replace")), top))
+        # `bytes` are the token's own text's, also when it is shown as "token_id:N" (vLLM's)
+        content.append(ChatLogprobContent(shown(token_id, decoded), lp,
+                                          list(text(token_id, decoded).encode("utf-8", errors="replace")), top))
     return ChatLogprobs(content)
 
 
@@ -152,7 +155,7 @@ class ChatHandler:
         ids = truncated(await ctx.encode(text, req.add_special_tokens, req.truncate_prompt_tokens, "messages"),
                         req.truncate_prompt_tokens, ctx.max_model_len)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = ctx.resolve_max_tokens(len(ids), asked, None)
+        max_tokens = ctx.resolve_max_tokens(len(ids), asked)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
         rid, engine_rid = request_ids("chatcmpl", request, req)
@@ -214,15 +217,14 @@ class ChatHandler:
         try:
             role = self._role(req)
             echoed = self._echoed(req, role)
-            # The first chunk carries the prompt's ids with return_token_ids (vLLM's place).
-            first_tail = suffix if not req.return_token_ids else (
-                b'],"prompt_token_ids":' + _encode(first.prompt_token_ids) + suffix[1:])
+            # Each choice's role chunk carries the prompt's ids with return_token_ids (vLLM's place).
+            start_tail = usage_tail(prompt_tokens, 0) if continuous else suffix  # both open with "]"
+            role_tail = start_tail if not req.return_token_ids else (
+                b'],"prompt_token_ids":' + _encode(first.prompt_token_ids) + start_tail[1:])
             for i in range(req.n):  # each choice opens with the role, as OpenAI's streams do
-                tail = usage_tail(prompt_tokens, 0) if continuous else first_tail if i == 0 else suffix
-                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role=role, content=""))) + tail)
+                parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(role=role, content=""))) + role_tail)
                 if echoed:
-                    parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(content=echoed))) + (
-                        usage_tail(prompt_tokens, 0) if continuous else suffix))
+                    parts.append(prefix + _encode(ChatStreamChoice(i, DeltaMessage(content=echoed))) + start_tail)
             out: RequestOutput | None = first
             while out is not None:
                 for o in out.outputs:

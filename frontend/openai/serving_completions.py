@@ -141,7 +141,7 @@ class CompletionsHandler:
         gens = []
         for i, (text, ids) in enumerate(prompts):
             ids = truncated(ids, req.truncate_prompt_tokens, ctx.max_model_len)
-            max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, None)
+            max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens)
             params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_lps)
             gens.append(ctx.engine.generate(ctx.engine_prompt(text, ids, req), params,
                                             f"{engine_rid}-{i}", priority=req.priority))
