@@ -11,9 +11,11 @@ prints vLLM's figures. An `LLM` with the same engine args (warmed up the same wa
 the server, and each timed workload also runs through `LLM.generate`, right before or after its
 server run (alternating): this machine's speed drifts too much for one side's runs to be
 compared with the other's taken minutes apart. The last lines: server tok/s / LLM.generate's
-(medians), the ratio per workload, and the CPU-work bound per workload: LLM.generate's CPU
-seconds over the server run's (engine, front-end and client), the ratio's ceiling when the
-cores are the bottleneck and shared without loss. The server and the LLM are then stopped and reaped.
+(medians), the ratio per workload, and the CPU-work ratio per workload: LLM.generate's CPU
+seconds over the server run's (engine, front-end and client). On a saturated machine wall time
+follows CPU seconds, so where the two ratios agree the server's loss is CPU it spends, its
+engine's own included (that grows beside the front-end: fork-join waits, shared caches), not
+cores left idle. The server and the LLM are then stopped and reaped.
 As vLLM: TTFT = first chunk - send; ITL = gaps between chunks; TPOT = (latency - TTFT) /
 (output tokens - 1); output tokens = usage.completion_tokens. Defaults suit a small CPU box
 (vLLM's: 1000 x 1024 -> 128). CPU seconds are printed for each side: the client (its timed
@@ -388,11 +390,10 @@ def main() -> None:
           f"{server_tp:.2f} / {offline_tp:.2f} = {server_tp / offline_tp:.3f}")
     print(f"  per workload (each server run beside its LLM.generate twin): "
           f"{', '.join(f'{r:.3f}' for r in pairs)}; median {float(np.median(pairs)):.3f}")
-    # The ratio's ceiling when the machine is the bottleneck: the same tokens cost the server
-    # its engine plus its front-end plus the client; were the cores shared perfectly (no fork-join
-    # wait for a preempted thread), wall times would go as the CPU seconds each side needs.
+    # On a saturated machine wall time follows CPU seconds: the same tokens cost the server run
+    # its engine (whose CPU grows beside the front-end), its front-end and the client.
     work = [cpu / sum(cpu_s) for (_, cpu), (_, _, _, cpu_s) in zip(offline_runs, runs)]
-    print(f"  CPU-work bound (LLM.generate CPU s / server CPU s, client included, per workload): "
+    print(f"  CPU-work ratio (LLM.generate CPU s / server CPU s, client included, per workload): "
           f"{', '.join(f'{r:.3f}' for r in work)}; median {float(np.median(work)):.3f}")
 
 
