@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 # Hash of one full block: hash((parent_block_hash | None, tuple(token_ids_of_block))).
 # Python's hash of ints/tuples is stable within a process, which is all the cache needs
@@ -46,7 +45,10 @@ def update_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
     """Extend `block_hashes` in place to cover every full block of `token_ids` (chain hash);
     a `salt` is the first block's parent, so every hash of a salted request depends on it."""
     num_full_blocks = len(token_ids) // block_size
-    parent: Any = block_hashes[-1] if block_hashes else None if salt is None else ("cache_salt", salt)
+    if block_hashes:
+        parent: object = block_hashes[-1]
+    else:
+        parent = None if salt is None else ("cache_salt", salt)
     for i in range(len(block_hashes), num_full_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         block_hashes.append(parent)

@@ -232,7 +232,6 @@ class InputProcessor:
         return self.process(request_id, prompt, params, arrival_time, priority)
 
 
-
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 # vLLM's multimodal prompt keys: accepted when None (code that always sets them), else refused.
 _MULTIMODAL_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})
