@@ -60,8 +60,13 @@ _PARENT_GONE_EXIT_S = 10.0  # a clean exit after the parent died may take this l
 _ADD, _ABORT, _UTILITY = (t.value for t in EngineCoreRequestType)
 
 
+_WAKE = b"wake"  # (_WAKE, b"", None): put by the signal handler to end an idle wait at once
+
+
 class _Shutdown(BaseException):
-    """Raised in the main thread by a signal handler: leave the loop and shut down cleanly.
+    """Leave the loop and shut down cleanly. Raised by the busy loop itself once a stop was
+    asked for (between steps, never inside one), or by the signal handler only while the
+    engine is still starting or when a second signal comes (the loop is stuck in one step).
     A BaseException so that no `except Exception` inside engine code swallows it."""
 
 
@@ -84,6 +89,7 @@ class EngineCoreProc:
         self.engine: Any = None  # EngineCore once started
         self._clients: set[bytes] = set()  # connected identities: each hears engine_dead
         self._shutting_down = False
+        self.stop_requested: str | None = None  # a signal's name, set by the handler
         # Bind first: a bad address fails at once.
         self.io = CoreIO(address, self.input_queue, heartbeat_timeout_s=config.heartbeat_timeout_s,
                          key_file=key_file)
@@ -149,12 +155,22 @@ class EngineCoreProc:
         """Returns only when a drain is done; every other way out is an exception."""
         engine, drain = self.engine, self.drain
         while True:
+            if self.stop_requested is not None:
+                raise _Shutdown(self.stop_requested)
             if drain is not None and drain.should_stop(engine):
                 return
             if not engine.has_unfinished_requests() and not self._wait_for_input():
                 continue
             self._drain()
             self._step()
+
+    def request_stop(self, reason: str) -> None:
+        """From the signal handler: stop between steps. Raising there instead could unwind
+        the main thread from anywhere -- inside a lock (logging's, a queue's), halfway
+        through a step with workers waiting on it -- and the clean shutdown then hung. The
+        wake item ends an idle wait now (SimpleQueue.put is safe to call from a handler)."""
+        self.stop_requested = reason
+        self.input_queue.put((_WAKE, b"", None))
 
     # Inputs and outputs are handled in helpers of their own, never in _busy_loop's frame: a
     # loop variable would keep the last request (up to MAX_MESSAGE_BYTES decoded) or the last
@@ -165,6 +181,8 @@ class EngineCoreProc:
             item = self.input_queue.get(timeout=_IDLE_POLL_S)
         except queue.Empty:
             self.engine.check_health()
+            return False
+        if item[0] == _WAKE:
             return False
         self._handle(item)
         if self.freeze_gc:
@@ -213,6 +231,8 @@ class EngineCoreProc:
             if n:
                 logger.info("front-end %s disconnected; aborted its %d request(s)", identity.hex()[:16], n)
             self._clients.discard(identity)
+        elif kind == _WAKE:
+            pass  # the busy loop sees the stop request at its next iteration
         else:
             raise RuntimeError(str(payload))  # the IO thread died
 
@@ -260,7 +280,12 @@ def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: 
         if signum == signal.SIGTERM and drain is not None and not drain.requested:
             drain.request()  # the busy loop drains, then shuts down; a second SIGTERM is at once
             return
-        raise _Shutdown(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if proc is None or proc.engine is None or proc.stop_requested is not None:
+            # Starting (nothing in flight to protect), or a second signal: the loop did not
+            # get back to its check, so one step is stuck; leave from wherever it is.
+            raise _Shutdown(name)
+        proc.request_stop(name)
 
     def on_parent_signal(signum: int, _frame: Any) -> None:
         # PDEATHSIG also fires when the *thread* that spawned us exits while its process lives
