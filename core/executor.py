@@ -7,13 +7,11 @@ Torch is imported lazily, inside the worker, so `tidal.core` stays importable wi
 """
 from __future__ import annotations
 
-import json
-import os
 from abc import ABC, abstractmethod
 
 import numpy as np
 
-from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
+from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, read_model_limits, resolve_max_model_len
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.utils import max_useful_kv_blocks
 
@@ -64,17 +62,6 @@ class UniProcExecutor(Executor):
             worker.shutdown()
 
 
-def read_model_limits(model: str) -> tuple[int, int]:
-    """(vocab_size, max_position_embeddings) from a checkpoint's config.json, without torch."""
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in model directory {model!r}")
-    with open(path) as f:
-        cfg = json.load(f)
-    text_cfg = cfg.get("text_config", cfg)
-    return int(text_cfg["vocab_size"]), int(text_cfg.get("max_position_embeddings", 2048))
-
-
 class NullExecutor(Executor):
     """Returns a token for every request whose chunk reaches its end, computed from
     (position, request id) alone; costs no model time, so what is measured is the engine."""
@@ -82,7 +69,7 @@ class NullExecutor(Executor):
     def initialize(self) -> ResolvedEngineInfo:
         cfg = self.config
         self.vocab_size, max_pos = read_model_limits(cfg.model)
-        max_model_len = cfg.max_model_len or max_pos
+        max_model_len = resolve_max_model_len(cfg.max_model_len, max_pos)
         blocks = cfg.num_kv_blocks or max_useful_kv_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size)
         self._lens: dict[str, int] = {}  # req_id -> tokens known to the runner
         return ResolvedEngineInfo(max_model_len, blocks, cfg.block_size, self.vocab_size)

@@ -12,7 +12,7 @@ from tidal.frontend.metrics_stats import IterationStats, StatLoggerBase
 from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.protocol import envs
-from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model_architecture
+from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model
 from tidal.protocol.config_views import ModelConfig
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tidal.protocol.outputs import RequestOutput
@@ -48,7 +48,7 @@ class FrontEnd(Generic[C]):
         limits, and build the input/output processors on them; with stats on, the metrics
         (vLLM's `stat_loggers` factories are called with (vllm_config, engine_index 0))."""
         if config.model and os.path.isdir(config.model):
-            check_model_architecture(config.model)
+            check_model(config)
         client = make_client(config)
         try:  # whatever fails from here on, the core just started must not outlive it
             self._build(config, client, stat_loggers)

@@ -139,18 +139,42 @@ class EngineConfig(VllmConfigAttrs):
         return msgspec.json.decode(data, type=cls)
 
 
-def check_model_architecture(model: str) -> None:
-    """ValueError naming the supported architectures when a local checkpoint's config.json
-    declares only others. Anything else wrong with the checkpoint (no config.json, no
-    "architectures", unreadable JSON) is left to the loader, whose error names it."""
+def read_model_limits(model: str) -> tuple[int, int]:
+    """(vocab_size, max_position_embeddings) from a checkpoint's config.json, without torch."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model!r}")
+    with open(path) as f:
+        cfg = json.load(f)
+    text_cfg = cfg.get("text_config", cfg)
+    return int(text_cfg["vocab_size"]), int(text_cfg.get("max_position_embeddings", 2048))
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    """The context length to serve: the model's own when none is asked for; a ValueError
+    naming both numbers when more is asked than the model's positions cover."""
+    if requested is not None and requested > model_max:
+        raise ValueError(f"max_model_len {requested} is larger than the model's "
+                         f"max_position_embeddings {model_max}; pass --max-model-len {model_max} or less")
+    return requested or model_max
+
+
+def check_model(config: EngineConfig) -> None:
+    """Before any process starts, a ValueError for what config.json already rules out: no
+    architecture tidal implements (the supported ones are named), a max_model_len above the
+    model's. Anything else wrong with the checkpoint (no config.json, unreadable JSON, missing
+    keys) is left to the loader, whose error names it."""
     try:
-        with open(os.path.join(model, "config.json")) as f:
-            archs = json.load(f).get("architectures")
-    except (OSError, ValueError, AttributeError):
+        with open(os.path.join(config.model, "config.json")) as f:
+            raw = json.load(f)
+        archs = raw.get("architectures")
+        model_max = int(raw.get("text_config", raw).get("max_position_embeddings", 2048))
+    except (OSError, ValueError, AttributeError, TypeError):
         return
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported model architecture(s) {archs} in {model!r}; "
+        raise ValueError(f"unsupported model architecture(s) {archs} in {config.model!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    resolve_max_model_len(config.max_model_len, model_max)
 
 
 # vLLM's name for the whole engine configuration (see EngineConfig's docstring).

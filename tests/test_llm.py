@@ -160,6 +160,31 @@ def test_unknown_model_dir_or_architecture_is_a_value_error(tmp_path: Any, long_
         LLM(model=str(bad))
 
 
+def test_max_model_len_above_the_models_is_a_value_error(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch,
+                                                         no_leaked_cores: None) -> None:
+    """vLLM refuses it at config time; so does tidal: a ValueError naming both numbers, raised
+    before a core process is started (starting one fails the test)."""
+    import json
+
+    from tidal.frontend import core_process
+
+    model_max = json.load(open(f"{tiny_model_dir}/config.json"))["max_position_embeddings"]
+
+    def no_core(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a core process was started")
+
+    monkeypatch.setattr(core_process.CoreProcess, "__init__", no_core)
+    with pytest.raises(ValueError, match=f"max_model_len {model_max + 1} is larger than the model's "
+                                         f"max_position_embeddings {model_max}"):
+        LLM(model=tiny_model_dir, max_model_len=model_max + 1)
+    monkeypatch.undo()
+    llm = LLM(model=tiny_model_dir, model_runner="null", max_model_len=model_max)  # the limit itself is fine
+    try:
+        assert llm.llm_engine.info.max_model_len == model_max
+    finally:
+        llm.shutdown()
+
+
 # ------------------------------------------------------- vLLM engine args and views
 
 

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo
+from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo, resolve_max_model_len
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.utils import (kv_blocks_for_budget, kv_cache_budget_from_memory, max_step_tokens,
                                   threads_per_rank)
@@ -68,12 +68,8 @@ class Worker:
         # "auto": the model's dtype; a half cache under float32 weights works too (the kernels
         # and the torch path convert on write and read).
         self.kv_cache_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, hf_config)
-        model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
-        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {cfg.max_model_len} is larger than the model's "
-                f"max_position_embeddings {model_max}")
-        self.max_model_len = cfg.max_model_len or model_max
+        self.max_model_len = resolve_max_model_len(cfg.max_model_len,
+                                                   int(getattr(hf_config, "max_position_embeddings", 2048)))
         torch.manual_seed(cfg.seed)
         self.hf_config = hf_config
         timer.mark("config")
