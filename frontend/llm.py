@@ -14,13 +14,13 @@ import itertools
 import time
 import uuid
 import weakref
-from typing import Any, Sequence
+from typing import Any, Sequence, overload
 
 from tidal.frontend.beam_search import beam_search
 from tidal.frontend.chat_utils import normalize_messages
 from tidal.frontend.core_client import InprocClient, SyncMPClient
 from tidal.frontend.engine_args import EngineArgs
-from tidal.frontend.engine_setup import FrontEnd
+from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory
 from tidal.frontend.metrics_reader import Metric
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig
@@ -41,7 +41,10 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
         suggesting the right one. As vLLM's LLM, stats are off unless disable_log_stats=False.
         `multiprocessing` (tidal's): run the core in its own process (default) or in this one."""
         kwargs.setdefault("disable_log_stats", True)
-        config = EngineArgs(model=model, **kwargs).create_engine_config()
+        self._init(EngineArgs(model=model, **kwargs).create_engine_config(), multiprocessing)
+
+    def _init(self, config: EngineConfig, multiprocessing: bool | None,
+              stat_loggers: Sequence[StatLoggerFactory] = ()) -> None:
         if multiprocessing is None:
             multiprocessing = envs.TIDAL_ENABLE_MULTIPROCESSING or config.core_address is not None
         elif not multiprocessing and config.core_address is not None:
@@ -50,7 +53,10 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
         # LLM's tag too, so front-ends sharing a headless core never collide.
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:12]
-        self._start(config, SyncMPClient if multiprocessing else InprocClient)
+        # Outputs of llm_engine.add_request's requests that arrived while generate() waited,
+        # or beside a failure that step() raised: the next step() returns them first.
+        self._backlog: list[RequestOutput | EngineGenerateError] = []
+        self._start(config, SyncMPClient if multiprocessing else InprocClient, stat_loggers)
         if isinstance(self.engine_core, SyncMPClient):
             # A lost core is replaced inside the wait that notices it, which then resubmits
             # through this (weakly: the client must not keep this LLM alive).
@@ -181,28 +187,38 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
                          f"got {type(sampling_params).__name__}")
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        """Wait for generate()'s requests (`order`: id -> input index); what comes for the
+        step API's requests meanwhile waits in the backlog for its step()."""
         results: list[RequestOutput | None] = [None] * len(order)
         bar = _ProgressBar(len(order)) if use_tqdm else None
-        op, client = self.output_processor, self.engine_core
+        left = len(order)
         try:
-            while op.has_unfinished_requests():
-                outs = client.get_output(_OUTPUT_WAIT_S)
-                if outs is None or not outs.outputs:
-                    continue
-                it = self._new_iteration()
-                for out in self._process_outputs(outs.outputs, outs.timestamp, it):
-                    if isinstance(out, Exception):
-                        raise _visible_error(out)
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        out.request_id = _visible_id(out.request_id)
+            while left:
+                for out in self._poll():
+                    index = order.get(getattr(out, "request_id", None))  # every output's error has one
+                    if index is None:
+                        self._backlog.append(_visible(out))
+                    elif isinstance(out, Exception):
+                        raise _visible(out)
+                    elif out.finished:
+                        results[index] = _visible(out)
+                        left -= 1
                         if bar is not None:
                             bar.update(out)
-                self._record_iteration(outs.scheduler_stats, it)
         finally:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
+
+    def _poll(self) -> list[RequestOutput | Exception]:
+        """One wait (bounded) for the core's next message; its outputs, processed."""
+        outs = self.engine_core.get_output(_OUTPUT_WAIT_S)
+        if outs is None or not outs.outputs:
+            return []
+        it = self._new_iteration()
+        processed = self._process_outputs(outs.outputs, outs.timestamp, it)
+        self._record_iteration(outs.scheduler_stats, it)
+        return processed
 
     def __enter__(self) -> "LLM":
         return self
@@ -212,13 +228,22 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
 
 
 def _visible_id(internal_id: str) -> str:
-    """The id vLLM's LLM shows ('0', '1', ...) of an internal '<n>#<tag>'."""
-    return internal_id.partition("#")[0]
+    """The id vLLM's LLM shows ('0', '1', ...; or the step API's own) of an internal
+    '<id>#<tag>' (the tag has no '#'; the id may)."""
+    return internal_id.rpartition("#")[0]
 
 
-def _visible_error(exc: Exception) -> EngineGenerateError:
-    """A request's failure as an EngineGenerateError naming the request's visible id."""
-    err = exc if isinstance(exc, EngineGenerateError) else EngineGenerateError(str(exc))
+@overload
+def _visible(out: RequestOutput) -> RequestOutput: ...
+@overload
+def _visible(out: Exception) -> EngineGenerateError: ...
+def _visible(out: RequestOutput | Exception) -> RequestOutput | EngineGenerateError:
+    """An output with the request's visible id (in place); a request's failure as an
+    EngineGenerateError naming it."""
+    if isinstance(out, RequestOutput):
+        out.request_id = _visible_id(out.request_id)
+        return out
+    err = out if isinstance(out, EngineGenerateError) else EngineGenerateError(str(out))
     if isinstance(rid := getattr(err, "request_id", None), str):
         err.request_id = _visible_id(rid)  # type: ignore[attr-defined]
     return err
@@ -248,12 +273,83 @@ class _ProgressBar:
 
 
 class LLMEngine:
-    """`llm.llm_engine`: vLLM's LLMEngine attributes (vllm_config, model_config, tokenizer,
-    get_tokenizer, log_stats) over an LLM; anything else (call_utility, get_stats, process,
-    address, ...) is the engine-core client's."""
+    """`llm.llm_engine`: vLLM's LLMEngine over an LLM -- its attributes (vllm_config,
+    model_config, tokenizer, get_tokenizer, log_stats) and its step API (add_request, step,
+    has_unfinished_requests, abort_request; `LLMEngine.from_engine_args` builds one on an LLM
+    of its own); anything else (call_utility, get_stats, process, address, ...) is the
+    engine-core client's. Step-API requests and generate() share the engine: generate() waits
+    for its own requests only, and what arrives for the others meanwhile waits for step()."""
 
     def __init__(self, llm: LLM) -> None:
         self._llm = llm
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None,
+                         stat_loggers: Sequence[StatLoggerFactory] | None = None,
+                         enable_multiprocessing: bool | None = None) -> "LLMEngine":
+        """vLLM's constructor; the engine core runs in its own process unless
+        enable_multiprocessing=False (or TIDAL_ENABLE_MULTIPROCESSING=0)."""
+        return cls.from_vllm_config(engine_args.create_engine_config(usage_context), usage_context,
+                                    stat_loggers, disable_log_stats=engine_args.disable_log_stats,
+                                    enable_multiprocessing=enable_multiprocessing)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: EngineConfig, usage_context: Any = None,
+                         stat_loggers: Sequence[StatLoggerFactory] | None = None, disable_log_stats: bool = False,
+                         enable_multiprocessing: bool | None = None) -> "LLMEngine":
+        """vLLM's constructor from `EngineArgs.create_engine_config()` (tidal's VllmConfig)."""
+        llm = LLM.__new__(LLM)
+        llm._init(vllm_config.replace(disable_log_stats=disable_log_stats), enable_multiprocessing,
+                  stat_loggers or ())
+        return cls(llm)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, lora_request: Any = None,
+                    tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
+                    priority: int = 0, prompt_text: str | None = None) -> None:
+        """Validate and queue one request (ValueError for a bad one, or an id still running);
+        its outputs come from step(), in its params' output_kind (CUMULATIVE by default)."""
+        llm = self._llm
+        if llm._closed:
+            raise RuntimeError("this LLM was shut down")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if tokenization_kwargs:
+            raise ValueError("tokenization_kwargs: tidal tokenizes prompts one way (pass token ids to choose)")
+        internal = f"{request_id}#{llm._tag}"
+        op = llm.output_processor
+        if internal in op.request_states or internal in op.parent_requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        params = params if params is not None else llm.get_default_sampling_params()
+        req, text = llm.input_processor.process(internal, prompt, params, arrival_time=arrival_time)
+        llm._apply_request_options(req, priority, lora_request)
+        llm._send(req, text)
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the engine's next step (waits for it, up to about a second; [] when
+        nothing is running). A request that failed is raised as an EngineGenerateError naming
+        it; the step's other outputs then come from the next call."""
+        llm = self._llm
+        if not llm._backlog and llm.output_processor.has_unfinished_requests():
+            llm._backlog = [_visible(out) for out in llm._poll()]
+        outs, llm._backlog = llm._backlog, []
+        for i, out in enumerate(outs):
+            if isinstance(out, Exception):
+                llm._backlog = outs[:i] + outs[i + 1:]
+                raise out
+        return outs  # type: ignore[return-value]
+
+    def has_unfinished_requests(self) -> bool:
+        return self._llm.output_processor.has_unfinished_requests() or bool(self._llm._backlog)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (not n > 1 children) still running."""
+        return len({st.external_req_id for st in self._llm.output_processor.request_states.values()})
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """End these requests (unknown or finished ids are ignored) with no further output."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._llm._abort_silently(f"{rid}#{self._llm._tag}" for rid in ids)
 
     @property
     def vllm_config(self) -> EngineConfig:
