@@ -44,8 +44,10 @@ class RequestOutputKind(enum.IntEnum):
 
 
 class SamplingParams(
-    msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, dict=False
+    msgspec.Struct, array_like=True, omit_defaults=True, dict=False
 ):  # type: ignore[call-arg]
+    # Positional arguments are taken as vLLM's are: its field order, n first, holds up to
+    # prompt_logprobs (`SamplingParams(n, temperature=...)` is seen in users' code).
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -230,3 +230,19 @@ def test_cache_salt_prompt_key(tiny_model_dir: str) -> None:
     # vLLM's fields for features tidal lacks read as vLLM's "none"
     assert (out.lora_request, out.encoder_prompt, out.kv_transfer_params, dict(out.multi_modal_placeholders),
             out.outputs[0].lora_request) == (None, None, None, {}, None)
+
+
+# vLLM's SamplingParams field order up to prompt_logprobs (vllm/sampling_params.py): a vLLM
+# Struct without kw_only, so `SamplingParams(n, ...)` is positional there, and is here.
+VLLM_POSITIONAL = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                   "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+                   "logprobs", "prompt_logprobs")
+
+
+def test_sampling_params_positional_order_is_vllms() -> None:
+    from tidal import SamplingParams
+
+    values = (3, 0.1, 0.2, 1.1, 0.7, 0.9, 5, 0.05, 42, ["x"], [3], True, 9, 1, 2, 1)
+    p = SamplingParams(*values)
+    assert tuple(getattr(p, name) for name in VLLM_POSITIONAL) == values
+    assert SamplingParams(4, temperature=0.6).n == 4  # the form seen in users' code
