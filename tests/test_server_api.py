@@ -111,6 +111,30 @@ def test_completion_logprobs_and_echo(server: Server) -> None:
     assert elp.token_logprobs[0] is None and elp.tokens[-5:] == lp.tokens
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(server: Server, tiny_model_dir: str) -> None:
+    """OpenAI's prompt scoring (lm-eval-harness's loglikelihood requests): echo, max_tokens 0,
+    logprobs; the reply is the prompt alone, its logprobs transformers' on the same checkpoint."""
+    from engine_utils import hf_log_softmax
+
+    ids = [5, 17, 99, 3, 250, 41]
+    client = server.client()
+    res = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = res.choices[0]
+    assert choice.finish_reason == "length" and res.usage.completion_tokens == 0
+    assert res.usage.prompt_tokens == len(ids) and len(choice.logprobs.tokens) == len(ids)
+    ref = hf_log_softmax(tiny_model_dir, ids)
+    assert choice.logprobs.token_logprobs[0] is None
+    for p, got in enumerate(choice.logprobs.token_logprobs[1:]):
+        assert got == pytest.approx(ref[p, ids[p + 1]].item(), abs=1e-4)
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    streamed_lps = [lp for c in chunks if c.choices for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed_lps == choice.logprobs.token_logprobs
+
+
 def test_chat_unstreamed_and_streamed_agree(server: Server) -> None:
     client = server.client()
     whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)

@@ -5,6 +5,7 @@ Choice `index` is `prompt index * n + completion index`, as in vLLM and OpenAI.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -141,7 +142,9 @@ class CompletionsHandler:
         gens = []
         for i, (text, ids) in enumerate(prompts):
             ids = truncated(ids, req.truncate_prompt_tokens, ctx.max_model_len)
-            max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens)
+            # echo with max_tokens 0 (OpenAI's, used to score a prompt): the engine makes one
+            # token, which the reply leaves out (_echo_only).
+            max_tokens = ctx.resolve_max_tokens(len(ids), 1 if _echo_only(req) else req.max_tokens)
             params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_lps)
             gens.append(ctx.engine.generate(ctx.engine_prompt(text, ids, req), params,
                                             f"{engine_rid}-{i}", priority=req.priority))
@@ -159,6 +162,7 @@ class CompletionsHandler:
         for i, final in enumerate(finals):
             usage.prompt_tokens += len(final.prompt_token_ids)
             for o in final.outputs:
+                o = _without_generation(o) if _echo_only(req) else o
                 usage.completion_tokens += len(o.token_ids)
                 choices.append(self._choice(req, builder, i * req.n + o.index, final, o))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -204,6 +208,7 @@ class CompletionsHandler:
         try:
             async for i, out in outputs:
                 for o in out.outputs:
+                    o = _without_generation(o) if _echo_only(req) else o
                     index = i * req.n + o.index
                     completion_tokens += len(o.token_ids)
                     if i not in seen_prompts:
@@ -251,6 +256,17 @@ class CompletionsHandler:
             return CompletionStreamChoiceIds(index, text, logprobs, o.finish_reason, o.stop_reason, o.token_ids,
                                              out.prompt_token_ids if first else None)
         return CompletionStreamChoice(index, text, logprobs, o.finish_reason, o.stop_reason)
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    return bool(req.echo) and req.max_tokens == 0
+
+
+def _without_generation(o: CompletionOutput) -> CompletionOutput:
+    """An echo-only choice: the prompt (added by the echo) and nothing generated; it stopped
+    at its max_tokens, 0."""
+    return dataclasses.replace(o, text="", token_ids=[], cumulative_logprob=None,
+                               logprobs=None if o.logprobs is None else [], finish_reason="length", stop_reason=None)
 
 
 def _concat(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
