@@ -217,7 +217,7 @@ RULES: dict[str, Rule] = {
     "enable_multimodal_encoder_data_parallel": NoOp("tidal's models have no multimodal encoder"),
     "logits_processors": Refused("custom logits processors"),
     "async_scheduling": NoOp("tidal's core schedules each step once the previous one's output is in"),
-    "stream_interval": NoOp("tidal streams after every step; DELTA chunks merge while a consumer lags"),
+    "stream_interval": Implemented("stream_interval"),
     "kv_sharing_fast_prefill": NoOp("tidal's models share no KV cache across layers"),
     "optimization_level": NoOp("tidal compiles nothing, so there is no optimisation level to pick"),
     "kv_offloading_size": Refused("KV cache offloading"),

@@ -66,7 +66,8 @@ class FrontEnd(Generic[C]):
         self.input_processor = InputProcessor(tokenizer, max_model_len=info.max_model_len,
                                               vocab_size=info.vocab_size, max_logprobs=config.max_logprobs,
                                               scheduling_policy=config.scheduling_policy, seed=config.seed)
-        self.output_processor = OutputProcessor(tokenizer, log_stats=not config.disable_log_stats)
+        self.output_processor = OutputProcessor(tokenizer, log_stats=not config.disable_log_stats,
+                                                stream_interval=config.stream_interval)
         self.metrics: EngineMetrics | None = None
         if not config.disable_log_stats:
             from tidal.frontend.metrics import EngineMetrics  # prometheus_client only with stats on

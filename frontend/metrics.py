@@ -26,6 +26,7 @@ front-ends reports its whole state to each; these counters count from the core's
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Sequence
@@ -242,10 +243,8 @@ class PrometheusStatLogger(StatLoggerBase):
         num_tokens = it.num_prompt_tokens + it.num_generation_tokens
         if num_tokens:  # a record for requests finished outside a step is no step
             self.histogram_iteration_tokens.observe(num_tokens)
-        for ttft in it.time_to_first_tokens_iter:
-            self.histogram_ttft.observe(ttft)
-        for itl in it.inter_token_latencies_iter:
-            self.histogram_itl.observe(itl)
+        observe_many(self.histogram_ttft, it.time_to_first_tokens_iter)
+        observe_many(self.histogram_itl, it.inter_token_latencies_iter)
 
     def _record_finished(self, f: FinishedRequestStats) -> None:
         counter = self.counter_request_success.get(f.finish_reason)
@@ -264,6 +263,31 @@ class PrometheusStatLogger(StatLoggerBase):
         self.histogram_tpot.observe(f.mean_time_per_output_token)
         if f.max_tokens_param:
             self.histogram_max_tokens.observe(f.max_tokens_param)
+
+
+def observe_many(histogram: prom.Histogram, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for each of `values`, with one lock per touched bucket instead of
+    two per value: a streaming server observes an inter-token latency per token, and one
+    observe (~2 us) was ~3% of its front-end CPU per chunk. Uses the child's value cells
+    (prometheus_client's layout since 0.4; tests/test_metrics.py checks the exposition against
+    plain observe); falls back to observe() where they are missing."""
+    if not values:
+        return
+    bounds: list[float] | None = getattr(histogram, "_upper_bounds", None)
+    cells = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or cells is None or total is None or len(cells) != len(bounds):
+        for v in values:
+            histogram.observe(v)
+        return
+    counts = [0] * len(bounds)
+    for v in values:
+        if v == v:  # NaN fits no bucket (observe's `amount <= bound` is never true); it still sums
+            counts[bisect.bisect_left(bounds, v)] += 1  # the first bound >= v, as observe's scan
+    total.inc(sum(values))
+    for i, n in enumerate(counts):
+        if n:
+            cells[i].inc(n)
 
 
 class EngineMetrics:

@@ -40,10 +40,11 @@ class RequestState:
     logprobs, its stats; a subclass per output kind builds the completions (`_completion`)."""
 
     _keeps_token_ids = True  # `_completion` appends every output id to token_ids
+    output_kind_is_delta = False  # outputs carry only what is new (their held ones must join)
     __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
                  "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
                  "text", "text_parts", "token_ids", "core_request", "generated", "num_prompt_lp_rows",
-                 "progress_mark", "suspect_streak", "solo_crashes", "quarantined")
+                 "progress_mark", "suspect_streak", "solo_crashes", "quarantined", "sent_tokens", "held")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
                  index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
@@ -75,6 +76,10 @@ class RequestState:
         self.suspect_streak = 0
         self.solo_crashes = 0
         self.quarantined = False
+        # stream_interval: len(generated) when an output last went out, and a DELTA output held
+        # back since (its text, ids and logprobs go out with the next one).
+        self.sent_tokens = 0
+        self.held: CompletionOutput | None = None
 
     def update(self, out: EngineCoreOutput, step: "_Step | None" = None) -> CompletionOutput | None:
         """Apply one core output (of the core message `step`, whose IterationStats it feeds when
@@ -108,6 +113,7 @@ class _DeltaState(RequestState):
 
     __slots__ = ()
     _keeps_token_ids = False
+    output_kind_is_delta = True
 
     def _completion(self, text: str, new_ids: list[int], finish: str | None,
                     stop_reason: int | str | None) -> CompletionOutput | None:
@@ -151,6 +157,14 @@ class _FinalOnlyState(RequestState):
                                 logprobs, finish, stop_reason)
 
 
+def _joined(first: CompletionOutput, then: CompletionOutput) -> CompletionOutput:
+    """Two consecutive DELTA completions of one sequence as one."""
+    logprobs = then.logprobs if first.logprobs is None else (
+        first.logprobs if then.logprobs is None else first.logprobs + then.logprobs)
+    return CompletionOutput(first.index, first.text + then.text, first.token_ids + then.token_ids,
+                            then.cumulative_logprob, logprobs, then.finish_reason, then.stop_reason)
+
+
 _STATE_CLASS: dict[RequestOutputKind, type[RequestState]] = {
     RequestOutputKind.CUMULATIVE: _CumulativeState, _DELTA: _DeltaState, _FINAL_ONLY: _FinalOnlyState}
 
@@ -173,9 +187,10 @@ class OutputProcessorOutput:
 class OutputProcessor:
     """Turns `EngineCoreOutput`s into `RequestOutput`s; owns every request's front-end state."""
 
-    def __init__(self, tokenizer: Any | None, log_stats: bool = False) -> None:
+    def __init__(self, tokenizer: Any | None, log_stats: bool = False, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.log_stats = log_stats  # fill RequestOutput.metrics
+        self.stream_interval = stream_interval  # EngineConfig.stream_interval (vLLM's)
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         # Ids the front-end dropped before the core's final output for them came: that output
@@ -239,6 +254,8 @@ class OutputProcessor:
             completion = state.update(out, step)
             if completion is None:
                 continue
+            if self.stream_interval > 1 and (completion := self._paced(state, completion)) is None:
+                continue  # held back: stream_interval
             self._emit(state, completion, request_outputs)
             if completion.finish_reason is not None:
                 self._finished(state, completion.finish_reason, step)
@@ -312,6 +329,24 @@ class OutputProcessor:
             resend.sort(key=lambda r: not self.request_states[r.request_id].solo_crashes)  # stable
         return resend, give_up
 
+    def _paced(self, state: RequestState, completion: CompletionOutput) -> CompletionOutput | None:
+        """vLLM's stream_interval: the completion to send now, or None to hold it back. A stream
+        sends its first output, then one whenever `stream_interval` tokens came since the last,
+        and its last; a held DELTA completion joins the next one sent (text, ids, logprobs), a
+        held CUMULATIVE one is superseded by it. FINAL_ONLY states make only the last."""
+        if completion.finish_reason is None and state.sent_tokens and \
+                len(state.generated) - state.sent_tokens < self.stream_interval:
+            if state.output_kind_is_delta:
+                state.held = completion if state.held is None else _joined(state.held, completion)
+            return None
+        return self._with_held(state, completion)
+
+    @staticmethod
+    def _with_held(state: RequestState, completion: CompletionOutput) -> CompletionOutput:
+        """`completion` to send, with what stream_interval held back before it."""
+        held, state.held, state.sent_tokens = state.held, None, len(state.generated)
+        return completion if held is None else _joined(held, completion)
+
     def _emit(self, state: RequestState, completion: CompletionOutput,
               request_outputs: list[RequestOutput | Exception]) -> None:
         parent = state.parent
@@ -383,8 +418,8 @@ class OutputProcessor:
         step = self._step(iteration_stats, None)
         for state in self._expand(request_ids):
             completion = state.update(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ABORT), step)
-            if completion is not None:
-                self._emit(state, completion, result.request_outputs)
+            if completion is not None:  # a finish: never held back, and what was held joins it
+                self._emit(state, self._with_held(state, completion), result.request_outputs)
             self._finished(state, "abort", step)
             result.reqs_to_abort.append(self._abort(state))
         return result

@@ -92,6 +92,9 @@ class EngineConfig(VllmConfigAttrs):
     # Admission control: over this many waiting requests, new ones fail at once with
     # EngineOverloadedError (None: unlimited, as vLLM).
     max_waiting_requests: int | None = None
+    # vLLM's stream_interval: a stream's outputs (DELTA and CUMULATIVE) go out at its first
+    # token, then once per this many tokens, and at its end (front-end only; 1: every step).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -118,6 +121,8 @@ class EngineConfig(VllmConfigAttrs):
             raise ValueError(f"core_reconnect_timeout_s must be in [0, 3600], got {self.core_reconnect_timeout_s}.")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}.")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         for name, allowed in _CHOICES.items():

@@ -302,6 +302,20 @@ def test_dropped_engine_stops_its_core(long_model_dir: str) -> None:
     assert not os.path.exists(ipc_dir)
 
 
+async def test_stream_interval_reaches_the_output_processor(long_model_dir: str) -> None:
+    """The stream_interval engine arg paces the front-end's outputs (tests/test_output_processor.py
+    has the pacing itself: here an instant null runner lets a lagging consumer's DELTA chunks
+    merge, so chunk sizes are not fixed); the stream still delivers every token once."""
+    engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=2048, stream_interval=4)
+    try:
+        assert engine.output_processor.stream_interval == 4
+        params = SamplingParams(max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        outs = [o async for o in engine.generate("abc", params, "si")]
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 10 and outs[-1].finished
+    finally:
+        engine.shutdown()
+
+
 # ------------------------------------------- vLLM's AsyncLLM surface (issue 10)
 
 

@@ -41,6 +41,10 @@ def test_prompt_forms(ip: InputProcessor, tokenizer: Any) -> None:
     assert r1.prompt_token_ids == tokenizer(text).input_ids == r2.prompt_token_ids == r3.prompt_token_ids
     assert (t1, t2, t3) == (text, text, None)
     assert r4.prompt_token_ids == [5, 6] and all(type(t) is int for t in r4.prompt_token_ids)
+    assert ip.process("t", {"prompt_token_ids": (5, 6)}, p)[0].prompt_token_ids == [5, 6]
+    for bad in ([5, True], [5, 6.0], [5, "6"]):
+        with pytest.raises(ValueError, match="'prompt_token_ids' must hold ints"):
+            ip.process("x", {"prompt_token_ids": bad}, p)
     assert r1.eos_token_id == tokenizer.eos_token_id == 0
     assert r1.arrival_time > 0 and ip.process("e", "x", p, arrival_time=7.0)[0].arrival_time == 7.0
 

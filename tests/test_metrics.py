@@ -307,3 +307,32 @@ def test_maybe_log_and_extra_loggers() -> None:
     assert metrics.maybe_log(now=time.monotonic() + 10.0)
     assert recorder.logs == 1 and metrics.logging.last_line.startswith("Engine 000: Avg prompt")
     assert not metrics.maybe_log()  # the interval restarts at each log
+
+
+def test_observe_many_exposes_what_observe_does() -> None:
+    """The bulk observe of the per-token histograms against prometheus_client's own observe, one
+    value at a time: the same exposition (buckets, count, sum), bounds hit exactly, values past
+    the last bound, negatives, +-inf and NaN included; and a second batch adds to the first."""
+    import random
+
+    from tidal.frontend.metrics import ITL_BUCKETS, observe_many
+
+    rng = random.Random(7)
+    values = [rng.uniform(0, 0.2) for _ in range(300)] + ITL_BUCKETS + [0.0, -1.0, 1e9, float("inf"),
+                                                                      float("-inf"), float("nan")]
+    rng.shuffle(values)
+    exposed = []
+    for bulk in (False, True):
+        registry = prometheus_client.CollectorRegistry()
+        h = prometheus_client.Histogram("t_itl", "d", ["engine"], buckets=ITL_BUCKETS, registry=registry).labels("0")
+        for part in (values[:100], values[100:], []):
+            if bulk:
+                observe_many(h, part)
+            else:
+                for v in part:
+                    h.observe(v)
+        text = prometheus_client.generate_latest(registry).decode()
+        exposed.append(sorted(line for line in text.splitlines() if "_created" not in line))
+    assert exposed[0] == exposed[1]
+    # 325 values; NaN fits no bucket, so the count (the +Inf bucket) leaves it out, as observe does
+    assert any(line.startswith('t_itl_count{engine="0"} 324.0') for line in exposed[1])

@@ -3,6 +3,8 @@ collector, n > 1 fan-out, stop strings and stop tokens, logprobs, abort and erro
 from __future__ import annotations
 
 import asyncio
+import functools
+import operator
 import random
 import time
 from typing import Any
@@ -483,3 +485,66 @@ def test_outputs_keep_unknown_kwargs() -> None:
     assert r.kv_transfer_params == {"a": 1} and r.encoder_prompt is None and r.outputs == [c]
     with pytest.raises(TypeError):
         RequestOutput("r")  # required arguments stay required
+
+
+def _sizes(outs: list[Any]) -> list[int]:
+    return [len(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("kind", [CUM, DELTA, FINAL])
+def test_stream_interval(tokenizer: Any, kind: RequestOutputKind) -> None:
+    """vLLM's stream_interval: the first token goes out alone, then one output per 3 tokens, and
+    the last (with the remainder); DELTA outputs then carry the tokens, text and logprobs held
+    back, so they join to what interval 1 gives; the final output is the same either way."""
+    ids = tokenizer.encode(TEXT)[:8]
+    results = {}
+    for interval in (1, 3):
+        op = OutputProcessor(tokenizer, stream_interval=interval)
+        op.add_request(req("r", logprobs=1, output_kind=kind), None)
+        outs = []
+        for i, t in enumerate(ids):
+            outs += op.process_outputs([EngineCoreOutput(
+                "r", [t], new_logprobs=_lp([t]),
+                finish_reason=FinishReason.LENGTH if i == len(ids) - 1 else None)]).request_outputs
+        results[interval] = outs
+    expect = {CUM: ([1, 2, 3, 4, 5, 6, 7, 8], [1, 4, 7, 8]), DELTA: ([1] * 8, [1, 3, 3, 1]), FINAL: ([8], [8])}[kind]
+    assert (_sizes(results[1]), _sizes(results[3])) == expect
+    one, three = results[1], results[3]
+    assert [o.finished for o in three] == [False] * (len(three) - 1) + [True]
+    if kind == DELTA:
+        for field in ("text", "token_ids", "logprobs"):
+            joined = [functools.reduce(operator.add, (getattr(o.outputs[0], field) for o in outs))
+                      for outs in (one, three)]
+            assert joined[0] == joined[1], field
+        assert len(joined[1]) == len(ids)
+        assert three[-1].outputs[0].cumulative_logprob == pytest.approx(one[-1].outputs[0].cumulative_logprob)
+    else:
+        assert three[-1].outputs[0] == one[-1].outputs[0]
+
+
+def test_stream_interval_held_tokens_reach_abort_and_stop(tokenizer: Any) -> None:
+    """Tokens held back by stream_interval go out with a user abort's final output, and with
+    the output a stop string ends (found in held text)."""
+    ids = tokenizer.encode(TEXT)
+    op = OutputProcessor(tokenizer, stream_interval=10)
+    op.add_request(req("a", output_kind=DELTA), None)
+    sent = [o for t in ids[:4] for o in op.process_outputs([EngineCoreOutput("a", [t])]).request_outputs]
+    assert _sizes(sent) == [1]
+    (final,) = op.finish_request_aborted(["a"]).request_outputs
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert sent[0].outputs[0].token_ids + final.outputs[0].token_ids == ids[:4]
+    assert sent[0].outputs[0].text + final.outputs[0].text == tokenizer.decode(ids[:4])
+    op.add_request(req("s", output_kind=DELTA, stop=["main"]), None)
+    outs, aborts = feed(op, "s", ids, last=None)
+    assert aborts == ["s"] and outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
+    text = "".join(o.outputs[0].text for o in outs)
+    assert text == TEXT[:TEXT.index("main")]
+
+
+def test_stream_interval_is_an_engine_arg() -> None:
+    from tidal.frontend.engine_args import EngineArgs
+    from tidal.protocol import EngineConfig
+
+    assert EngineArgs(model="m", stream_interval=4).create_engine_config().stream_interval == 4
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        EngineConfig(model="m", stream_interval=0)

@@ -62,6 +62,9 @@ def test_api_key_required_and_checked(server: Server) -> None:
     ({"prompt": "hi", "n": 0}, None),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [1.5, 2]}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"),  # a bool is no token id
+    ({"prompt": [[1, 2], [3, False]]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [100000]}, None),  # out of the vocabulary: the engine's ValueError
     ({"prompt": "hi", "logprobs": 1000}, None),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),

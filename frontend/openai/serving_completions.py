@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
+from tidal.frontend.input_processor import plain_token_ids
 from tidal.frontend.openai.errors import APIError
 from tidal.frontend.openai.protocol import (
     CompletionChoice,
@@ -55,7 +56,7 @@ Prompt = tuple[str | None, list[int]]  # (text, token ids)
 def _num_prompts(p: object) -> int:
     """Prompts in a completions `prompt`: a list of strings or of token-id lists is several;
     a string or one token-id list is one."""
-    if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
+    if isinstance(p, list) and p and not isinstance(p[0], int):
         return len(p)
     return 1
 
@@ -68,14 +69,14 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
                        HTTPStatus.BAD_REQUEST, "prompt")
     if isinstance(p, str):
         return [(p, await ctx.encode(p, req.add_special_tokens, req.truncate_prompt_tokens))]
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return [(None, list(p))]
+    if (ids := plain_token_ids(p)) is not None:
+        return [(None, ids)]
     prompts: list[Prompt] = []
     for item in p:
         if isinstance(item, str):
             prompts.append((item, await ctx.encode(item, req.add_special_tokens, req.truncate_prompt_tokens)))
-        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            prompts.append((None, item))
+        elif isinstance(item, list) and (ids := plain_token_ids(item)) is not None:
+            prompts.append((None, ids))
         else:
             raise APIError("prompt must be a string, a list of strings, a list of token ids or a list "
                            "of token-id lists", HTTPStatus.BAD_REQUEST, "prompt")
