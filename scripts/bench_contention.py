@@ -9,9 +9,11 @@ that spins `--burn-ms` every `--period-ms` (about the shape of the server front-
 engine step), in alternation (ABBA: the machine's drift favours neither side; every run has its
 own prompts, so none hits the prefix cache). It prints the medians and the wall seconds lost per
 CPU second the burner took: 0.5 means the two cores were shared perfectly (the engine's two
-threads lost half of what the burner took), 1.0 that the engine stood still while the burner
-ran (a parallel region waiting at its barrier for the thread that lost its core), above 1 that
-it lost more than that (caches, wake-ups). The engine's forward-pass seconds are printed beside
+threads lost half of what the burner took), below that the burner also ran where the engine
+left a core idle, 1.0 that the engine stood still while the burner ran (a parallel region
+waiting at its barrier for the thread that lost its core), above 1 that it lost more than that
+(caches, wake-ups). On a shared machine the figure moves between runs (0.2-1.4 were seen on
+one day): compare runs made minutes apart, several of them. The engine's forward-pass seconds are printed beside
 the step seconds, to tell the parallel model work from the single-threaded scheduling.
 """
 from __future__ import annotations
@@ -111,7 +113,7 @@ def main() -> None:
     lost = med["beside"][0] - med["alone"][0]
     print(f"burner: {args.burn_ms:g} ms per {args.period_ms:g} ms, {cpu:.3f} CPU s per run")
     print(f"wall seconds lost per burner CPU second: {lost:.3f} / {cpu:.3f} = {lost / cpu:.2f} "
-          f"(0.5: the 2 cores shared perfectly; 1.0: the engine stalls while the burner runs)")
+          f"(0.5: the 2 cores shared perfectly, less: idle cores used; 1.0: the engine stalls while it runs)")
 
 
 if __name__ == "__main__":
