@@ -19,7 +19,7 @@ from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.parallel_sampling import ParentRequest
 from tidal.protocol.errors import EngineGenerateError, EngineOverloadedError, InvalidRequestError
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, ErrorKind, FinishReason
-from tidal.protocol.outputs import CompletionOutput, RequestOutput, RequestStateStats
+from tidal.protocol.outputs import CompletionOutput, RequestOutput, RequestStateStats, append_delta
 from tidal.protocol.sampling_params import RequestOutputKind
 
 _DELTA = RequestOutputKind.DELTA
@@ -155,14 +155,6 @@ class _FinalOnlyState(RequestState):
         logprobs, cumulative = _NO_LOGPROBS if self.logprobs is None else self.logprobs.sample()
         return CompletionOutput(self.index, "".join(self.text_parts), self.token_ids, cumulative,
                                 logprobs, finish, stop_reason)
-
-
-def _joined(first: CompletionOutput, then: CompletionOutput) -> CompletionOutput:
-    """Two consecutive DELTA completions of one sequence as one."""
-    logprobs = then.logprobs if first.logprobs is None else (
-        first.logprobs if then.logprobs is None else first.logprobs + then.logprobs)
-    return CompletionOutput(first.index, first.text + then.text, first.token_ids + then.token_ids,
-                            then.cumulative_logprob, logprobs, then.finish_reason, then.stop_reason)
 
 
 _STATE_CLASS: dict[RequestOutputKind, type[RequestState]] = {
@@ -336,8 +328,11 @@ class OutputProcessor:
         held CUMULATIVE one is superseded by it. FINAL_ONLY states make only the last."""
         if completion.finish_reason is None and state.sent_tokens and \
                 len(state.generated) - state.sent_tokens < self.stream_interval:
-            if state.output_kind_is_delta:
-                state.held = completion if state.held is None else _joined(state.held, completion)
+            if state.output_kind_is_delta:  # (held: this state's own, never sent, so it may grow)
+                if state.held is None:
+                    state.held = completion
+                else:
+                    append_delta(state.held, completion)
             return None
         return self._with_held(state, completion)
 
@@ -345,7 +340,10 @@ class OutputProcessor:
     def _with_held(state: RequestState, completion: CompletionOutput) -> CompletionOutput:
         """`completion` to send, with what stream_interval held back before it."""
         held, state.held, state.sent_tokens = state.held, None, len(state.generated)
-        return completion if held is None else _joined(held, completion)
+        if held is None:
+            return completion
+        append_delta(held, completion)
+        return held
 
     def _emit(self, state: RequestState, completion: CompletionOutput,
               request_outputs: list[RequestOutput | Exception]) -> None:

@@ -168,6 +168,19 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+def append_delta(cur: CompletionOutput, nxt: CompletionOutput) -> None:
+    """Append a later DELTA completion of the same sequence to `cur`: its text, ids and
+    logprobs, and its cumulative logprob and finish. New lists are made, never ones another
+    output may share."""
+    cur.text += nxt.text
+    cur.token_ids = cur.token_ids + nxt.token_ids
+    if nxt.logprobs:
+        cur.logprobs = (cur.logprobs or []) + nxt.logprobs
+    cur.cumulative_logprob = nxt.cumulative_logprob
+    cur.finish_reason = nxt.finish_reason
+    cur.stop_reason = nxt.stop_reason
+
+
 @dataclass
 class RequestStateStats:
     """Per-request timings, with vLLM V1's names. `arrival_time` is wall-clock (time.time());
@@ -219,13 +232,7 @@ class RequestOutput:
             for i, cur in enumerate(outputs):
                 if cur.index == nxt.index:
                     if aggregate:
-                        cur.text += nxt.text
-                        cur.token_ids = cur.token_ids + nxt.token_ids
-                        if nxt.logprobs:
-                            cur.logprobs = (cur.logprobs or []) + nxt.logprobs
-                        cur.cumulative_logprob = nxt.cumulative_logprob
-                        cur.finish_reason = nxt.finish_reason
-                        cur.stop_reason = nxt.stop_reason
+                        append_delta(cur, nxt)
                     else:
                         outputs[i] = nxt
                     break

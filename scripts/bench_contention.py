@@ -13,8 +13,9 @@ threads lost half of what the burner took), below that the burner also ran where
 left a core idle, 1.0 that the engine stood still while the burner ran (a parallel region
 waiting at its barrier for the thread that lost its core), above 1 that it lost more than that
 (caches, wake-ups). On a shared machine the figure moves between runs (0.2-1.4 were seen on
-one day): compare runs made minutes apart, several of them. The engine's forward-pass seconds are printed beside
-the step seconds, to tell the parallel model work from the single-threaded scheduling.
+one day): compare several runs made minutes apart. The engine's forward-pass seconds are
+printed beside the step seconds, to tell the parallel model work from the single-threaded
+scheduling.
 """
 from __future__ import annotations
 
