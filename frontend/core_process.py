@@ -18,6 +18,7 @@ from typing import Callable
 
 import zmq
 
+from tidal.frontend.priority import popen
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.process import stop_process
 from tidal.protocol.utils import compute_process_env
@@ -59,7 +60,8 @@ class CoreProcess:
             "--cleanup-dir", self.ipc_dir.path,
         ]
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
+            # At the process's own priority even when the server's loop runs nicer (priority.py).
+            self.proc = popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
         except BaseException:
             self.ipc_dir.cleanup()
             raise

@@ -194,3 +194,4 @@ class ResolvedEngineInfo:
     num_kv_blocks: int
     block_size: int
     vocab_size: int
+    device: str = "cpu"  # where the model computes: cpu | cuda (the null runner: cpu, the core's own loop)

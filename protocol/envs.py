@@ -19,7 +19,8 @@ def _flag(name: str, default: bool) -> Callable[[], bool]:
     return read
 
 
-def _positive_int(name: str, default: int) -> Callable[[], int]:
+def _int_in(name: str, default: int, low: int, high: int | None = None) -> Callable[[], int]:
+    """An integer in [low, high] (no upper bound: None); ValueError naming the range otherwise."""
     def read() -> int:
         raw = os.environ.get(name)
         if raw is None or not raw.strip():
@@ -27,11 +28,17 @@ def _positive_int(name: str, default: int) -> Callable[[], int]:
         try:
             value = int(raw)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {raw!r}.")
+            value = low - 1
+        if value < low or (high is not None and value > high):
+            allowed = (f"an integer in [{low}, {high}]" if high is not None
+                       else "a positive integer" if low == 1 else f"an integer >= {low}")
+            raise ValueError(f"{name} must be {allowed}, got {raw!r}.")
         return value
     return read
+
+
+def _positive_int(name: str, default: int) -> Callable[[], int]:
+    return _int_in(name, default, 1)
 
 
 def _cache_dir() -> str:
@@ -65,6 +72,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_ATTENTION_BACKEND": lambda: os.environ.get("TIDAL_ATTENTION_BACKEND", "auto"),
     # The key `tidal serve` requires as `Authorization: Bearer KEY` (--api-key wins; vLLM's VLLM_API_KEY).
     "TIDAL_API_KEY": lambda: os.environ.get("TIDAL_API_KEY") or None,
+    # How much nicer than its engine `tidal serve`'s event loop runs when it started that engine
+    # and it computes on this host's CPUs (frontend/priority.py); 0: the same priority.
+    "TIDAL_SERVER_NICE": _int_in("TIDAL_SERVER_NICE", 15, 0, 19),
     # Request limits (vLLM's VLLM_MAX_N_SEQUENCES and friends, same defaults): n per request (and
     # prompts x n in a server request), prompts per /v1/completions request, stop strings and
     # bad_words per server request. A request over one is refused (400) before any work.

@@ -176,11 +176,14 @@ def server_steps(base: str) -> int:
                    if line.startswith("tidal:iteration_tokens_total_count")))
 
 
-def start_server(model: str, port: int, engine_argv: list[str], log: Any) -> subprocess.Popen[bytes]:
+def start_server(model: str, port: int, engine_argv: list[str], log: Any,
+                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`tidal serve` on 127.0.0.1:port; `env`: variables set for it on top of this process's."""
     cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), *engine_argv]
-    print("server:", " ".join(cmd), flush=True)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    print("server:", *(f"{k}={v}" for k, v in (env or {}).items()), *cmd, flush=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=None if env is None else {**os.environ, **env})
 
 
 async def wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -292,6 +295,21 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     return args, engine_argv, engine_kwargs
 
 
+def make_workloads(args: argparse.Namespace) -> tuple[list[list[Request]], list[list[Request]]]:
+    """(the warm-up workloads, the timed ones): random token-id prompts over the model's
+    vocabulary without its special tokens, a distinct workload per warm-up and repeat (a
+    repeated one would hit the prefix cache)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
+    workloads = [sample_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio, vocab, args.seed + i)
+                 for i in range(args.repeats + args.num_warmups)]
+    return workloads[args.repeats:], workloads[:args.repeats]
+
+
 def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kwargs: dict[str, Any]
                      ) -> tuple[list[tuple[list[Request], list[Result], float, tuple[float, float, float]]],
                                 list[tuple[float, float]]]:
@@ -299,8 +317,6 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kw
     each timed one next to its LLM.generate twin (unless --no-offline): (the timed server runs,
     the offline (output tok/s, CPU s) in the same order). The server and the offline engine are stopped
     and reaped on every path (the server's log is kept and its tail printed unless all went well)."""
-    from transformers import AutoTokenizer
-
     from tidal.protocol.utils import free_port
 
     port = args.port or free_port()
@@ -310,14 +326,7 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kw
     with tempfile.NamedTemporaryFile(prefix="tidal-serve-", suffix=".log", delete=False) as log:
         proc = start_server(args.model, port, engine_argv, log)
         try:
-            tok = AutoTokenizer.from_pretrained(args.model)
-            special = set(tok.all_special_ids)
-            vocab = [i for i in range(len(tok)) if i not in special]
-            # Distinct workloads per repeat and warm-up: a repeated one would hit the prefix cache.
-            workloads = [sample_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                         args.random_range_ratio, vocab, args.seed + i)
-                         for i in range(args.repeats + args.num_warmups)]
-            warmups, workloads = workloads[args.repeats:], workloads[:args.repeats]
+            warmups, workloads = make_workloads(args)
             asyncio.run(wait_healthy(base, proc, args.ready_timeout))
             for requests in warmups:
                 asyncio.run(run_client(base, requests, args, proc.pid))
@@ -359,9 +368,10 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # unwind as Ctrl-C does, so the server is always stopped and reaped
 
 
-def main() -> None:
-    args, engine_argv, engine_kwargs = parse_args()
-    try:  # the client's event loop: uvloop's costs the client (which shares the CPUs) less
+def prepare(args: argparse.Namespace) -> None:
+    """The client's event loop (uvloop's costs the client, which shares the CPUs, less), SIGTERM
+    unwinding as Ctrl-C, and the default model when --model is not given."""
+    try:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
@@ -372,6 +382,11 @@ def main() -> None:
         from tidal.frontend.make_model import ensure_default_model
 
         args.model = ensure_default_model()
+
+
+def main() -> None:
+    args, engine_argv, engine_kwargs = parse_args()
+    prepare(args)
     runs, offline_runs = run_server_phase(args, engine_argv, engine_kwargs)
     offline = [rate for rate, _ in offline_runs]
     served = []

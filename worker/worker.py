@@ -90,7 +90,8 @@ class Worker:
             warm_up_gemm_buckets(self.model, cfg.max_num_seqs)
             timer.mark("warm-up")
         timer.log(self.rank)
-        return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size)
+        return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size,
+                                  self.device.type)
 
     def kv_bytes_per_block(self) -> int:
         from tidal.worker.attention import Attention

@@ -62,6 +62,7 @@ from tidal.frontend.openai.server_flags import (
 from tidal.frontend.openai.serving_base import ChatOptions, ClientGone, ServingContext
 from tidal.frontend.openai.serving_chat import ChatHandler, render_chat
 from tidal.frontend.openai.serving_completions import CompletionsHandler
+from tidal.frontend.priority import lower_thread_priority
 from tidal.protocol import envs
 from tidal.protocol.errors import EngineDeadError
 
@@ -307,9 +308,26 @@ def served_names(engine_args: AsyncEngineArgs) -> list[str]:
     return list(names) if names else [engine_args.model]
 
 
+def yield_to_cpu_engine(engine: AsyncLLM, increment: int) -> None:
+    """TIDAL_SERVER_NICE (see frontend/priority.py): the event loop's thread runs `increment`
+    nicer than an engine that computes on this host's CPUs, one this server started itself
+    (a headless core's host and device are its own business)."""
+    if engine.config.core_address is not None or engine.info.device != "cpu":
+        return
+    try:
+        nice = lower_thread_priority(increment)
+    except OSError as e:  # e.g. a sandbox that forbids setpriority: serve at the same priority
+        logger.warning("could not lower the event loop's priority (TIDAL_SERVER_NICE): %s", e)
+        return
+    if nice is not None:
+        logger.info("the event loop runs at nice %d, nicer than its CPU engine (TIDAL_SERVER_NICE=%d)",
+                    nice, increment)
+
+
 async def run_server(args: Any) -> None:
     """Start the engine, serve until SIGINT/SIGTERM, shut everything down."""
     check_server_flags(args)
+    nice_increment = envs.TIDAL_SERVER_NICE  # a bad value fails here, before the engine starts
     limits = RequestSizeLimits.from_env()
     template = load_chat_template(args.chat_template)
     server_kwargs = uvicorn_kwargs(args)
@@ -318,6 +336,7 @@ async def run_server(args: Any) -> None:
     engine = AsyncLLM.from_engine_args(engine_args)
     ctx: ServingContext | None = None
     try:
+        yield_to_cpu_engine(engine, nice_increment)
         ctx = ServingContext(engine, served_names(engine_args), template, ChatOptions(
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
             args.enable_force_include_usage, args.return_tokens_as_token_ids, args.trust_request_chat_template),
