@@ -10,7 +10,9 @@ before the loop got to the last one has the two merged in its collector (DELTA: 
 lost) and sends one larger chunk. Measured on 2 cores (scripts/bench_serving_ab.py, the
 default workload, both servers in one run): +16% output tok/s at nice 15 or 19 against 0, with
 a stream's tokens in 0.65-0.8 chunks each and time per output token down by 15-20%; nice 10
-changed nothing; at 16 req/s (near saturation) the time to first token rose ~15 ms.
+changed nothing; at 16 req/s (near saturation) the time to first token rose ~15 ms. The idle
+moments come from tidal's short OpenMP spin (GOMP_SPINCOUNT, protocol/utils.py): threads that
+spin longer leave none, so a user's own OpenMP wait setting turns the default off.
 
 Linux keeps a nice value per thread: only the loop's thread is lowered, and the threads it
 starts inherit that (they do its work: tokenizing, chat templates). A process would inherit it
@@ -20,20 +22,19 @@ priority the process had before.
 """
 from __future__ import annotations
 
-import logging
+import functools
 import os
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from tidal.protocol.process import SpawnerThread, stop_process
 
 MAX_NICE = 19  # the lowest priority on the nice scale
 _SPAWN_TIMEOUT_S = 60.0  # a fork + exec: far less, unless the machine is stuck
 _lock = threading.Lock()
-_spawner: ThreadPoolExecutor | None = None  # a thread at the base priority (set by lower_thread_priority)
+_spawner: SpawnerThread | None = None  # a thread at the base priority (set by lower_thread_priority)
 
 
 def thread_nice() -> int:
@@ -43,27 +44,33 @@ def thread_nice() -> int:
 
 def lower_thread_priority(increment: int) -> int | None:
     """Raise the calling thread's nice value by `increment` (at most to MAX_NICE); returns
-    the new value, or None where nice values are not per thread (only Linux has them so) or
-    increment is 0. From here on `popen` starts processes at the priority from before."""
+    the new value, or None when nothing changed (increment 0, already at MAX_NICE) or nice
+    values are not per thread (only Linux has them so). From then on `popen` starts
+    processes at the priority from before."""
     if increment < 0:
         raise ValueError(f"a priority can only be lowered here (increment >= 0), got {increment}")
-    if increment == 0 or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
+        return None
+    current = thread_nice()
+    target = min(MAX_NICE, current + increment)
+    if target == current:
         return None
     global _spawner
     with _lock:
         if _spawner is None:
-            spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-spawner")
-            spawner.submit(lambda: None).result(timeout=10.0)  # its thread exists now, at this priority
-            _spawner = spawner
-    target = min(MAX_NICE, thread_nice() + increment)
+            # Its thread starts now, so it keeps this priority (a thread takes its creator's).
+            _spawner = SpawnerThread("tidal-core-spawner")
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), target)
     return target
 
 
-def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
     """`subprocess.Popen(cmd, **kwargs)`, started at the process's priority from before
-    `lower_thread_priority` (the child inherits the nice value of the thread that starts it)."""
+    `lower_thread_priority` (a child inherits the nice value of the thread that starts it).
+    TimeoutError if the start takes over _SPAWN_TIMEOUT_S; a child that comes up after that
+    is stopped and reaped."""
     spawner = _spawner
     if spawner is None:
         return subprocess.Popen(cmd, **kwargs)
-    return spawner.submit(subprocess.Popen, cmd, **kwargs).result(timeout=_SPAWN_TIMEOUT_S)
+    return spawner.call(functools.partial(subprocess.Popen, cmd, **kwargs), _SPAWN_TIMEOUT_S,
+                        on_late=stop_process)

@@ -9,6 +9,7 @@ released) and never because some unrelated thread returned.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import queue
 import signal
@@ -20,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from tidal.protocol.utils import Deadline
 
+logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -97,6 +99,37 @@ def wait_all(procs: Sequence[subprocess.Popen], deadline: Deadline) -> None:
             pass
 
 
+class _Job:
+    """One SpawnerThread call: `fn`, and its outcome for the caller, or for `on_late` once the
+    caller stopped waiting (the lock orders the two)."""
+
+    def __init__(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None) -> None:
+        self.fn, self.on_late = fn, on_late
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._outcome: tuple[bool, Any] = (False, None)
+        self._abandoned = False
+
+    def finish(self, ok: bool, value: Any) -> None:
+        with self._lock:
+            self._outcome = (ok, value)
+            self._done.set()
+            late = self._abandoned
+        if late and ok and self.on_late is not None:
+            try:
+                self.on_late(value)
+            except Exception:  # the spawner thread must go on serving
+                logger.exception("cleaning up after a spawn that finished too late failed")
+
+    def wait(self, timeout_s: float | None) -> tuple[bool, Any]:
+        if not self._done.wait(timeout_s):
+            with self._lock:
+                if not self._done.is_set():
+                    self._abandoned = True
+                    return False, TimeoutError(f"the spawner thread did not finish within {timeout_s} s")
+        return self._outcome
+
+
 class SpawnerThread:
     """A thread that starts child processes on request and then idles until `release()`.
 
@@ -106,7 +139,7 @@ class SpawnerThread:
     or uses this object."""
 
     def __init__(self, name: str = "tidal-spawner") -> None:
-        self._jobs: "queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Any]] | None]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[_Job | None]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -115,19 +148,22 @@ class SpawnerThread:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, reply = job
             try:
-                reply.put((True, fn()))
+                outcome: tuple[bool, Any] = (True, job.fn())
             except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                reply.put((False, e))
+                outcome = (False, e)
+            job.finish(*outcome)
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` (e.g. a subprocess.Popen) on the spawner thread and return its result."""
+    def call(self, fn: Callable[[], Any], timeout_s: float | None = None,
+             on_late: Callable[[Any], None] | None = None) -> Any:
+        """Run `fn` (e.g. a subprocess.Popen) on the spawner thread and return its result.
+        After `timeout_s`, TimeoutError; a result that comes after that goes to `on_late`
+        (stop the process it started, say) instead of being dropped."""
         if not self._thread.is_alive():
             raise RuntimeError("spawner thread was released")
-        reply: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._jobs.put((fn, reply))
-        ok, value = reply.get()
+        job = _Job(fn, on_late)
+        self._jobs.put(job)
+        ok, value = job.wait(timeout_s)
         if not ok:
             raise value
         return value

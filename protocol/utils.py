@@ -38,6 +38,12 @@ def _compute_process_defaults() -> dict[str, str]:
     return dict(_COMPUTE_PROCESS_ENV)
 
 
+def omp_wait_is_tidals() -> bool:
+    """Whether tidal's processes get tidal's OpenMP wait behaviour (the user set neither
+    OMP_WAIT_POLICY nor GOMP_SPINCOUNT)."""
+    return bool(_compute_process_defaults())
+
+
 def compute_process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a tidal core or worker process: os.environ over tidal's defaults
     (_compute_process_defaults, then `extra`), so a user's own settings win."""

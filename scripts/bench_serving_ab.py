@@ -99,14 +99,15 @@ def run(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[float, f
                 m = compute_metrics(results, requests, duration)
                 rates[name] = m["output_throughput"]
                 chunks = (len(m["itl"]) + len(m["ttft"])) / max(1, m["output_tokens"])
+                ttft, tpot, itl = (1e3 * statistics.fmean(m[k] or [0.0]) for k in ("ttft", "tpot", "itl"))
                 print(f"workload {i} server {name}: {rates[name]:.1f} output tok/s; CPU s: client {cpu[0]:.2f}, "
-                      f"front-end {cpu[1]:.2f}, engine core {cpu[2]:.2f}; mean ms: TTFT "
-                      f"{1e3 * statistics.fmean(m['ttft']):.0f}, TPOT {1e3 * statistics.fmean(m['tpot']):.1f}, "
-                      f"ITL {1e3 * statistics.fmean(m['itl']):.1f}; chunks per token {chunks:.2f}", flush=True)
+                      f"front-end {cpu[1]:.2f}, engine core {cpu[2]:.2f}; mean ms: TTFT {ttft:.0f}, "
+                      f"TPOT {tpot:.1f}, ITL {itl:.1f}; chunks per token {chunks:.2f}", flush=True)
             pairs.append((rates["A"], rates["B"]))
         return pairs
     except BaseException:
         for log in logs:  # kept: what the failing server said
+            log.close()
             print(f"server log kept: {log.name}", file=sys.stderr)
         logs.clear()
         raise

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -16,7 +17,11 @@ import pytest
 from tests.server_utils import Server, wait_for
 
 FLAGS = ["--model-runner", "null", "--served-model-name", "tiny"]
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's"),
+    pytest.mark.skipif(sys.platform.startswith("linux") and os.getpriority(os.PRIO_PROCESS, 0) > 12,
+                       reason="the test runner's own nice value leaves no room to lower one by 7"),
+]
 
 
 def _cores(srv: Server) -> list[psutil.Process]:
@@ -74,6 +79,59 @@ def test_priority_module_in_a_fresh_process() -> None:
     assert got["thread"] == got["plain"] == got["lowered"]  # what the spawner is there for
     assert got["spawned"] == base
     assert got["capped"] == 19
+
+
+def test_which_engines_the_loop_yields_to() -> None:
+    """yield_to_cpu_engine in a process of its own, cases that must not lower the priority
+    first: a headless core, a GPU engine, the user's own OpenMP wait policy (unless
+    TIDAL_SERVER_NICE is set), setpriority refused (a warning, and the server goes on)."""
+    script = textwrap.dedent("""
+        import json, logging, os, types
+        from tidal.frontend import priority
+        from tidal.frontend.openai.api_server import yield_to_cpu_engine
+        warnings = []
+        logging.getLogger("tidal.frontend.openai.api_server").addHandler(
+            type("H", (logging.Handler,), {"emit": lambda self, r: warnings.append(r.levelname)})())
+        def engine(address=None, device="cpu"):
+            return types.SimpleNamespace(config=types.SimpleNamespace(core_address=address),
+                                         info=types.SimpleNamespace(device=device))
+        os.environ.pop("TIDAL_SERVER_NICE", None)
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        got = {"base": priority.thread_nice()}
+        got["headless"] = [yield_to_cpu_engine(engine(address="tcp://127.0.0.1:1"), 5), priority.thread_nice()]
+        got["cuda"] = [yield_to_cpu_engine(engine(device="cuda"), 5), priority.thread_nice()]
+        os.environ["OMP_WAIT_POLICY"] = "active"
+        got["omp"] = [yield_to_cpu_engine(engine(), 5), priority.thread_nice()]
+        real, os.setpriority = os.setpriority, lambda *a: (_ for _ in ()).throw(PermissionError("refused"))
+        os.environ["TIDAL_SERVER_NICE"] = "5"
+        got["refused"] = [yield_to_cpu_engine(engine(), 5), priority.thread_nice(), warnings[:]]
+        os.setpriority = real
+        got["asked"] = [yield_to_cpu_engine(engine(), 5), priority.thread_nice()]
+        print(json.dumps(got))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    base = got["base"]
+    assert got["headless"] == got["cuda"] == got["omp"] == [None, base]
+    assert got["refused"] == [None, base, ["WARNING"]]
+    assert got["asked"] == [base + 5, base + 5]
+
+
+def test_spawner_call_times_out_and_hands_a_late_result_on() -> None:
+    from tidal.protocol.process import SpawnerThread
+
+    spawner = SpawnerThread("test-spawner")
+    late: list[str] = []
+    try:
+        with pytest.raises(TimeoutError):
+            spawner.call(lambda: time.sleep(0.5) or "started", timeout_s=0.05, on_late=late.append)
+        assert spawner.call(lambda: "next", timeout_s=30.0) == "next"  # queued behind the slow one
+        assert late == ["started"]
+        with pytest.raises(ZeroDivisionError):
+            spawner.call(lambda: 1 // 0, timeout_s=30.0)
+    finally:
+        spawner.release()
 
 
 def test_server_loop_is_nicer_than_its_core_also_after_a_restart(tiny_model_dir: str,

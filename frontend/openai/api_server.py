@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -65,6 +66,7 @@ from tidal.frontend.openai.serving_completions import CompletionsHandler
 from tidal.frontend.priority import lower_thread_priority
 from tidal.protocol import envs
 from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.utils import omp_wait_is_tidals
 
 logger = logging.getLogger(__name__)
 
@@ -308,20 +310,27 @@ def served_names(engine_args: AsyncEngineArgs) -> list[str]:
     return list(names) if names else [engine_args.model]
 
 
-def yield_to_cpu_engine(engine: AsyncLLM, increment: int) -> None:
+def yield_to_cpu_engine(engine: AsyncLLM, increment: int) -> int | None:
     """TIDAL_SERVER_NICE (see frontend/priority.py): the event loop's thread runs `increment`
     nicer than an engine that computes on this host's CPUs, one this server started itself
-    (a headless core's host and device are its own business)."""
+    (a headless core's host and device are its own business). Unless asked for by name, not
+    when the user chose OpenMP's wait behaviour: compute threads that spin longer than tidal's
+    leave the loop no idle core to run on. Returns the loop's new nice value, if it changed."""
     if engine.config.core_address is not None or engine.info.device != "cpu":
-        return
+        return None
+    if "TIDAL_SERVER_NICE" not in os.environ and not omp_wait_is_tidals():
+        logger.info("the event loop keeps its priority: OMP_WAIT_POLICY or GOMP_SPINCOUNT is set "
+                    "(set TIDAL_SERVER_NICE to lower it anyway)")
+        return None
     try:
         nice = lower_thread_priority(increment)
     except OSError as e:  # e.g. a sandbox that forbids setpriority: serve at the same priority
         logger.warning("could not lower the event loop's priority (TIDAL_SERVER_NICE): %s", e)
-        return
+        return None
     if nice is not None:
         logger.info("the event loop runs at nice %d, nicer than its CPU engine (TIDAL_SERVER_NICE=%d)",
                     nice, increment)
+    return nice
 
 
 async def run_server(args: Any) -> None:
