@@ -8,11 +8,12 @@ the middle of a parallel region, and the whole region waits for it. Much nicer t
 (its scheduling, sampling, the pauses between kernels); a stream whose next output came
 before the loop got to the last one has the two merged in its collector (DELTA: nothing is
 lost) and sends one larger chunk. Measured on 2 cores (scripts/bench_serving_ab.py, the
-default workload, both servers in one run): +16% output tok/s at nice 15 or 19 against 0, with
-a stream's tokens in 0.65-0.8 chunks each and time per output token down by 15-20%; nice 10
-changed nothing; at 16 req/s (near saturation) the time to first token rose ~15 ms. The idle
-moments come from tidal's short OpenMP spin (GOMP_SPINCOUNT, protocol/utils.py): threads that
-spin longer leave none, so a user's own OpenMP wait setting turns the default off.
+default workload, both servers in one run): +7% to +16% output tok/s at nice 15 or 19 against
+0 (the median of each run), with a stream's tokens in 0.65-0.86 chunks each and time per
+output token down by 10-20%; nice 10 changed nothing, 12 was 5% slower than 15; at 16 req/s
+(near saturation) the time to first token rose ~15 ms. The idle moments come from tidal's
+short OpenMP spin (GOMP_SPINCOUNT, protocol/utils.py): threads that spin longer leave none,
+so a user's own OpenMP wait setting turns the default off.
 
 Linux keeps a nice value per thread: only the loop's thread is lowered, and the threads it
 starts inherit that (they do its work: tokenizing, chat templates). A process would inherit it
