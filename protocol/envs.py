@@ -96,5 +96,14 @@ def __getattr__(name: str) -> Any:
     return read()
 
 
+def is_set(name: str) -> bool:
+    """Whether the user gave tidal's variable `name` a value (blank counts as unset, as in
+    the readers above), rather than leaving it at its default."""
+    if name not in _VARIABLES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = os.environ.get(name)
+    return value is not None and bool(value.strip())
+
+
 def __dir__() -> list[str]:
     return list(__all__)

@@ -9,7 +9,6 @@ released) and never because some unrelated thread returned.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import queue
 import signal
@@ -17,11 +16,12 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
 
 from tidal.protocol.utils import Deadline
 
-logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -99,37 +99,6 @@ def wait_all(procs: Sequence[subprocess.Popen], deadline: Deadline) -> None:
             pass
 
 
-class _Job:
-    """One SpawnerThread call: `fn`, and its outcome for the caller, or for `on_late` once the
-    caller stopped waiting (the lock orders the two)."""
-
-    def __init__(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None) -> None:
-        self.fn, self.on_late = fn, on_late
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._outcome: tuple[bool, Any] = (False, None)
-        self._abandoned = False
-
-    def finish(self, ok: bool, value: Any) -> None:
-        with self._lock:
-            self._outcome = (ok, value)
-            self._done.set()
-            late = self._abandoned
-        if late and ok and self.on_late is not None:
-            try:
-                self.on_late(value)
-            except Exception:  # the spawner thread must go on serving
-                logger.exception("cleaning up after a spawn that finished too late failed")
-
-    def wait(self, timeout_s: float | None) -> tuple[bool, Any]:
-        if not self._done.wait(timeout_s):
-            with self._lock:
-                if not self._done.is_set():
-                    self._abandoned = True
-                    return False, TimeoutError(f"the spawner thread did not finish within {timeout_s} s")
-        return self._outcome
-
-
 class SpawnerThread:
     """A thread that starts child processes on request and then idles until `release()`.
 
@@ -139,7 +108,7 @@ class SpawnerThread:
     or uses this object."""
 
     def __init__(self, name: str = "tidal-spawner") -> None:
-        self._jobs: "queue.SimpleQueue[_Job | None]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -148,11 +117,11 @@ class SpawnerThread:
             job = self._jobs.get()
             if job is None:
                 return
+            fn, result = job
             try:
-                outcome: tuple[bool, Any] = (True, job.fn())
+                result.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                outcome = (False, e)
-            job.finish(*outcome)
+                result.set_exception(e)
 
     def call(self, fn: Callable[[], Any], timeout_s: float | None = None,
              on_late: Callable[[Any], None] | None = None) -> Any:
@@ -161,12 +130,14 @@ class SpawnerThread:
         (stop the process it started, say) instead of being dropped."""
         if not self._thread.is_alive():
             raise RuntimeError("spawner thread was released")
-        job = _Job(fn, on_late)
-        self._jobs.put(job)
-        ok, value = job.wait(timeout_s)
-        if not ok:
-            raise value
-        return value
+        result: Future[Any] = Future()
+        self._jobs.put((fn, result))
+        try:
+            return result.result(timeout_s)
+        except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
+            if on_late is not None:  # runs now if the result came meanwhile (the Future's lock)
+                result.add_done_callback(lambda f: f.exception() is None and on_late(f.result()))
+            raise TimeoutError(f"the spawner thread did not finish within {timeout_s} s") from None
 
     def release(self) -> None:
         """End the thread (idempotent); children still alive get their parent-death signal."""

@@ -261,12 +261,8 @@ class OfflineRunner:
         self.llm.shutdown()
 
 
-def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
-    from tidal.frontend.engine_args import EngineArgs
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False, epilog="Every other flag is an engine arg (vLLM's "
-                                "EngineArgs), passed to both `tidal serve` and LLM, e.g. --max-model-len, -tp.")
+def add_workload_args(p: argparse.ArgumentParser, repeats: int, repeats_help: str) -> None:
+    """The workload's and the client's flags (this script's and bench_serving_ab.py's)."""
     p.add_argument("--model", default=None, help="HF model dir (default: the embedded default model)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
@@ -276,19 +272,32 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, token ids, arrivals)")
-    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, whole stream")
-    p.add_argument("--no-offline", action="store_true", help="skip the LLM.generate reference")
     p.add_argument("--num-warmups", type=int, default=1,
                    help="untimed workloads of the same shape run first on each side (cold costs paid alike)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="workloads (seeds seed..seed+R-1) run on each side; the ratio is of the medians")
-    args, engine_argv = p.parse_known_args()
+    p.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+
+
+def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not 0.0 <= args.random_range_ratio < 1.0 or args.num_prompts < 1 or args.request_rate <= 0 or args.repeats < 1 \
             or args.num_warmups < 0:
         p.error("need 0 <= --random-range-ratio < 1, --num-prompts >= 1, --request-rate > 0, --repeats >= 1, "
                 "--num-warmups >= 0")
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
+    from tidal.frontend.engine_args import EngineArgs
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False, epilog="Every other flag is an engine arg (vLLM's "
+                                "EngineArgs), passed to both `tidal serve` and LLM, e.g. --max-model-len, -tp.")
+    add_workload_args(p, repeats=3, repeats_help="workloads (seeds seed..seed+R-1) run on each side; "
+                      "the ratio is of the medians")
+    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    p.add_argument("--no-offline", action="store_true", help="skip the LLM.generate reference")
+    args, engine_argv = p.parse_known_args()
+    check_workload_args(p, args)
     ep = argparse.ArgumentParser(prog="bench_serving.py: engine args", add_help=False, allow_abbrev=False)
     EngineArgs.add_cli_args(ep, exclude=frozenset({"model", "seed"}))
     engine_kwargs = vars(ep.parse_args(engine_argv))  # SUPPRESS defaults: only the flags given

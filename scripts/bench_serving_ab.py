@@ -25,6 +25,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import (  # noqa: E402
+    add_workload_args,
+    check_workload_args,
     compute_metrics,
     make_workloads,
     prepare,
@@ -52,22 +54,9 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE", help="server B's environment")
     p.add_argument("--a-args", default="", help="more `tidal serve` arguments for A only (one string)")
     p.add_argument("--b-args", default="", help="more `tidal serve` arguments for B only (one string)")
-    p.add_argument("--model", default=None, help="HF model dir (default: the embedded default model)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=float("inf"))
-    p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--random-input-len", type=int, default=256)
-    p.add_argument("--random-output-len", type=int, default=64)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=6, help="workloads, each run on A and on B")
-    p.add_argument("--num-warmups", type=int, default=1)
-    p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    add_workload_args(p, repeats=6, repeats_help="workloads, each run on A and on B")
     args, engine_argv = p.parse_known_args()
-    if args.repeats < 1 or args.num_prompts < 1 or args.request_rate <= 0 or args.num_warmups < 0:
-        p.error("need --repeats >= 1, --num-prompts >= 1, --request-rate > 0, --num-warmups >= 0")
+    check_workload_args(p, args)
     return args, engine_argv
 
 

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -318,7 +317,7 @@ def yield_to_cpu_engine(engine: AsyncLLM, increment: int) -> int | None:
     leave the loop no idle core to run on. Returns the loop's new nice value, if it changed."""
     if engine.config.core_address is not None or engine.info.device != "cpu":
         return None
-    if "TIDAL_SERVER_NICE" not in os.environ and not omp_wait_is_tidals():
+    if not envs.is_set("TIDAL_SERVER_NICE") and not omp_wait_is_tidals():
         logger.info("the event loop keeps its priority: OMP_WAIT_POLICY or GOMP_SPINCOUNT is set "
                     "(set TIDAL_SERVER_NICE to lower it anyway)")
         return None
