@@ -100,7 +100,11 @@ async def run_client(base: str, requests: list[Request], args: argparse.Namespac
     host, port = url.host, url.port or 80
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(args.request_timeout), headers=headers) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
-    warm = await send(host, port, "/v1/completions", auth, model, Request(requests[0].prompt_token_ids, 4),
+    # Its prompt shares no cached block with a timed one (4 tokens fill none at the default
+    # block size; one id repeated starts no random prompt): the first timed request would
+    # otherwise find its prefix cached, a head start LLM.generate's twin does not get.
+    warm_prompt = [requests[0].prompt_token_ids[0]] * 4
+    warm = await send(host, port, "/v1/completions", auth, model, Request(warm_prompt, 4),
                       args.temperature, args.request_timeout)
     if not warm.success:
         raise RuntimeError(f"warm-up request failed: {warm.error}")
