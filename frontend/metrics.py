@@ -328,6 +328,10 @@ class EngineMetrics:
         for stat_logger in self.loggers:
             stat_logger.log()
 
+    def seconds_until_log(self, now: float | None = None) -> float:
+        """How long until `maybe_log` logs (0.0 once it is due)."""
+        return max(0.0, self._next_log - (time.monotonic() if now is None else now))
+
     def maybe_log(self, now: float | None = None) -> bool:
         """`log()` if `log_interval_s` has passed since the last one; cheap enough to call
         after every step (the sync `LLM` has no timer task). Returns whether it logged."""

@@ -31,8 +31,9 @@ import psutil
 REPORT_EVERY = 1000
 
 
-def _core_process() -> psutil.Process | None:
-    for p in psutil.Process().children(recursive=True):
+def _core_process(parent: psutil.Process | None = None) -> psutil.Process | None:
+    """The engine-core process among `parent`'s descendants (default: this process's)."""
+    for p in (parent or psutil.Process()).children(recursive=True):
         try:
             if "tidal.core.core_proc" in " ".join(p.cmdline()):
                 return p

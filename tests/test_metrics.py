@@ -309,6 +309,36 @@ def test_maybe_log_and_extra_loggers() -> None:
     assert not metrics.maybe_log()  # the interval restarts at each log
 
 
+async def test_server_logs_one_stats_line_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """tidal serve's stats line comes from two places: the output handler after a core message
+    (maybe_log) and the server's timer task (for an idle engine). Whichever comes first logs;
+    the lines are never closer than the interval (the timer used to force a second line
+    milliseconds after the handler's, over an empty interval)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tidal.frontend.openai.api_server import _log_stats
+
+    interval = 0.2
+    metrics = EngineMetrics("m", 10, log_interval_s=interval)
+    with caplog.at_level(logging.DEBUG, logger="tidal.frontend.metrics"):
+        timer = asyncio.ensure_future(_log_stats(SimpleNamespace(metrics=metrics)))
+        try:
+            t_end = time.monotonic() + 6 * interval
+            while time.monotonic() < t_end:  # busy: a core message every ~7 ms
+                metrics.maybe_log()
+                await asyncio.sleep(0.007)
+            busy = len(caplog.records)
+            await asyncio.sleep(3 * interval + 0.1)  # idle: no core message, the timer alone logs
+        finally:
+            timer.cancel()
+    times = [r.created for r in caplog.records if r.getMessage().startswith("Engine 000:")]
+    assert len(times) == len(caplog.records)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert 3 <= busy <= 6 and len(times) - busy >= 2, (busy, len(times))
+    assert min(gaps) >= interval - 0.01, gaps
+
+
 def test_observe_many_exposes_what_observe_does() -> None:
     """The bulk observe of the per-token histograms against prometheus_client's own observe, one
     value at a time: the same exposition (buckets, count, sum), bounds hit exactly, values past

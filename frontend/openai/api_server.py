@@ -70,7 +70,7 @@ from tidal.protocol.utils import omp_wait_is_tidals
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # no API key needed (probes and scrapers)
-STATS_LOG_INTERVAL_S = 10.0
+_LOG_POLL_MIN_S = 0.05  # the stats task never wakes more often than this
 _JSON = "application/json"
 
 
@@ -223,18 +223,25 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return error_response(exc if isinstance(exc, APIError) else from_exception(exc))
 
 
-async def _log_stats(engine: AsyncLLM, interval: float) -> None:
-    """vLLM's periodic stats line (INFO while busy, DEBUG when idle)."""
+async def _log_stats(engine: AsyncLLM) -> None:
+    """vLLM's periodic stats line (INFO while busy, DEBUG when idle), with stats on. The output
+    handler logs it when a core message comes after the interval is up; this task logs it when
+    none comes (an idle engine). Both ask `maybe_log`, so whichever comes first logs and the
+    other waits for the next interval: a forced log here used to follow the handler's by
+    milliseconds, a second line over an empty interval."""
+    metrics = engine.metrics
+    if metrics is None:
+        return
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(max(_LOG_POLL_MIN_S, metrics.seconds_until_log()))
         try:
-            await engine.do_log_stats()
+            metrics.maybe_log()
         except Exception as e:
             logger.debug("stats log failed: %s", e)
 
 
 def build_app(ctx: ServingContext, *, api_key: str | Sequence[str] | None = None, max_body_bytes: int = 32 << 20,
-              stats_interval: float = STATS_LOG_INTERVAL_S, flags: Any = None) -> Starlette:
+              flags: Any = None) -> Starlette:
     """The app; `flags` (tidal serve's parsed arguments) adds the middleware server_flags
     implements (outside the API key check, so CORS preflights need no key)."""
     routes = Routes(ctx)
@@ -243,7 +250,7 @@ def build_app(ctx: ServingContext, *, api_key: str | Sequence[str] | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         _started_at()
-        stats = asyncio.create_task(_log_stats(ctx.engine, stats_interval))
+        stats = asyncio.create_task(_log_stats(ctx.engine))
         try:
             yield
         finally:

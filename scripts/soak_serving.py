@@ -1,0 +1,242 @@
+"""Soak `tidal serve`: many mixed requests, some of them refused or abandoned; does anything leak?
+
+    python scripts/soak_serving.py [--requests 20000] [--concurrency 32] [--model DIR] [engine args]
+
+Starts `tidal serve` on 127.0.0.1 and keeps `--concurrency` requests in flight, drawn from a mix:
+streamed and whole completions (ignore_eos: exactly max_tokens each), chat (streamed and not),
+n=2, a client that reads the first event of a long stream and hangs up, and requests the server
+must refuse (400: a bad field, a prompt past max_model_len; 404: an unknown model). Every answer
+is checked (status, usage, the token count). After every 1,000 requests it prints the RSS of the
+front-end and of the engine core, the front-end's open file descriptors and threads; at the end,
+the growth per 1,000 requests over the last half (as scripts/soak.py) and quarter, the count of each kind,
+and what /metrics says is still running or waiting in the core once the last client is done
+(every abandoned stream must have been aborted: 0 and 0). Exit status 1 on any unexpected
+answer, a request left in the core, or descriptors that grew over the last half.
+
+The core's RSS also grows while KV blocks are used for the first time (the cache's pages are
+zero-filled lazily; prefix caching hands out blocks it never used before it evicts): that levels
+off once every block was used, sooner with a smaller cache (`--num-gpu-blocks-override 1024`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable
+
+import httpx2 as httpx
+import msgspec
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serving import start_server, stop_server, wait_healthy  # noqa: E402
+from soak import _core_process, _rss_mb, _slope_per_1000  # noqa: E402
+from sse_client import Request, send  # noqa: E402
+
+REPORT_EVERY = 1000
+
+
+class Unexpected(Exception):
+    """An answer other than the one the request must get."""
+
+
+def _gauge(text: str, name: str) -> float:
+    """The sum of a /metrics gauge over its label sets."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+class Soak:
+    def __init__(self, base: str, model: str, vocab: int, max_model_len: int, rng: random.Random) -> None:
+        url = httpx.URL(base)
+        self.host, self.port = url.host, url.port
+        self.model, self.vocab, self.max_model_len, self.rng = model, vocab, max_model_len, rng
+        self.http = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(120.0),
+                                      limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self.kinds: list[tuple[str, Callable[[], Awaitable[None]], int]] = [
+            ("stream", self.stream, 30), ("complete", self.complete, 15), ("chat", self.chat, 10),
+            ("chat_stream", self.chat_stream, 5), ("n2", self.n2, 10), ("hang_up", self.hang_up, 10),
+            ("bad_field", self.bad_field, 10), ("unknown_model", self.unknown_model, 5),
+            ("too_long", self.too_long, 5)]
+
+    def prompt(self) -> list[int]:
+        return [self.rng.randrange(3, self.vocab) for _ in range(self.rng.randrange(4, 48))]
+
+    def pick(self) -> tuple[str, Callable[[], Awaitable[None]]]:
+        name, fn, _ = self.rng.choices(self.kinds, weights=[w for *_, w in self.kinds])[0]
+        return name, fn
+
+    async def post(self, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
+        r = await self.http.post(path, json=body)
+        if r.status_code != status:
+            raise Unexpected(f"{path}: HTTP {r.status_code}, expected {status}: {r.text[:200]}")
+        out = r.json()
+        if status != 200 and not isinstance(out.get("error"), dict):
+            raise Unexpected(f"{path}: HTTP {status} without an OpenAI error object: {r.text[:200]}")
+        return out
+
+    async def stream(self) -> None:
+        n = self.rng.randrange(1, 9)
+        res = await send(self.host, self.port, "/v1/completions", b"", self.model, Request(self.prompt(), n), 0.0, 120.0)
+        if not res.success:
+            raise Unexpected(f"stream: {res.error}")
+
+    async def complete(self) -> None:
+        n = self.rng.randrange(1, 9)
+        out = await self.post("/v1/completions", {"model": self.model, "prompt": self.prompt(), "max_tokens": n,
+                                                  "ignore_eos": True, "temperature": self.rng.choice([0.0, 0.8])})
+        if out["usage"]["completion_tokens"] != n:
+            raise Unexpected(f"complete: {out['usage']} for max_tokens={n}")
+
+    async def n2(self) -> None:
+        out = await self.post("/v1/completions", {"model": self.model, "prompt": self.prompt(), "max_tokens": 4,
+                                                  "ignore_eos": True, "n": 2, "temperature": 0.8, "seed": 1})
+        if sorted(c["index"] for c in out["choices"]) != [0, 1] or out["usage"]["completion_tokens"] != 8:
+            raise Unexpected(f"n2: {out['usage']}, choices {[c['index'] for c in out['choices']]}")
+
+    def chat_body(self, stream: bool) -> dict[str, Any]:
+        words = " ".join(str(t) for t in self.prompt()[:8])
+        return {"model": self.model, "messages": [{"role": "user", "content": words}], "max_tokens": 6,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+
+    async def chat(self) -> None:
+        out = await self.post("/v1/chat/completions", self.chat_body(False))
+        if not 0 < out["usage"]["completion_tokens"] <= 6 or out["choices"][0]["finish_reason"] not in ("stop", "length"):
+            raise Unexpected(f"chat: {out['usage']}, {out['choices'][0]['finish_reason']}")
+
+    async def chat_stream(self) -> None:
+        async with self.http.stream("POST", "/v1/chat/completions", json=self.chat_body(True)) as r:
+            if r.status_code != 200:
+                raise Unexpected(f"chat_stream: HTTP {r.status_code}")
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        if lines[-1] != "data: [DONE]" or '"usage"' not in lines[-2]:
+            raise Unexpected(f"chat_stream: ends with {lines[-2:]}")
+
+    async def hang_up(self) -> None:
+        """A long stream abandoned after its first event: the server must abort it in the core."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            payload = msgspec.json.encode({"model": self.model, "prompt": self.prompt(), "max_tokens": 256,
+                                           "ignore_eos": True, "stream": True})
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            seen = b""
+            async with asyncio.timeout(60):
+                while b"data: " not in seen:
+                    chunk = await reader.read(4096)
+                    if not chunk:
+                        raise Unexpected("hang_up: the server closed first")
+                    seen += chunk
+            if not seen.startswith(b"HTTP/1.1 200"):
+                raise Unexpected(f"hang_up: {seen[:80]!r}")
+        finally:
+            writer.close()
+
+    async def bad_field(self) -> None:
+        field = self.rng.choice([{"temperature": -1.0}, {"max_tokens": -3}, {"top_p": 2.0}, {"n": 0},
+                                 {"logprobs": 1000}, {"stop": 7}])
+        await self.post("/v1/completions", {"model": self.model, "prompt": self.prompt(), **field}, 400)
+
+    async def unknown_model(self) -> None:
+        await self.post("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 2}, 404)
+
+    async def too_long(self) -> None:
+        ids = [self.rng.randrange(3, self.vocab) for _ in range(self.max_model_len + 1)]
+        await self.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 2}, 400)
+
+
+async def run(args: argparse.Namespace, base: str, server: psutil.Process) -> int:
+    from transformers import AutoTokenizer
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+        card = (await c.get("/v1/models")).json()["data"][0]
+    vocab = len(AutoTokenizer.from_pretrained(args.model))
+    soak = Soak(base, card["id"], vocab, card["max_model_len"], random.Random(args.seed))
+    counts: Counter[str] = Counter()
+    failures: list[str] = []
+    samples: list[tuple[int, float, float, int, int]] = []
+    sem = asyncio.Semaphore(args.concurrency)
+    done, t0 = 0, time.perf_counter()
+    print(f"{'requests':>9} {'front MB':>9} {'core MB':>9} {'fds':>5} {'threads':>7} {'s':>7}", flush=True)
+
+    async def one() -> None:
+        nonlocal done
+        name, fn = soak.pick()
+        try:
+            await fn()
+            counts[name] += 1
+        except (Unexpected, httpx.HTTPError, OSError, TimeoutError, ValueError, KeyError, IndexError) as e:
+            counts[name + " FAILED"] += 1
+            if len(failures) < 20:
+                failures.append(f"{name}: {type(e).__name__}: {e}")
+        finally:
+            sem.release()
+            done += 1
+            if done % REPORT_EVERY == 0:
+                core = _core_process(server)
+                samples.append((done, _rss_mb(server), _rss_mb(core), server.num_fds(), server.num_threads()))
+                print(f"{done:9d} {samples[-1][1]:9.1f} {samples[-1][2]:9.1f} {samples[-1][3]:5d} "
+                      f"{samples[-1][4]:7d} {time.perf_counter() - t0:7.1f}", flush=True)
+
+    tasks = []
+    for _ in range(args.requests):
+        await sem.acquire()
+        tasks.append(asyncio.ensure_future(one()))
+    await asyncio.gather(*tasks)
+    await soak.http.aclose()
+    await asyncio.sleep(1.0)  # the last hang-ups' aborts reach the core
+    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+        text = (await c.get("/metrics")).text
+    running, waiting = _gauge(text, "tidal:num_requests_running"), _gauge(text, "tidal:num_requests_waiting")
+    half = [s for s in samples if s[0] >= args.requests // 2] or samples
+    quarter = [s for s in samples if s[0] >= args.requests * 3 // 4] or samples
+    for name, part in (("half", half), ("quarter", quarter)):
+        print(f"growth per 1,000 requests over the last {name} ({part[0][0]}..{part[-1][0]}): "
+              f"front-end {_slope_per_1000([(s[0], s[1]) for s in part]):+.2f} MB, "
+              f"core {_slope_per_1000([(s[0], s[2]) for s in part]):+.2f} MB")
+    print(f"open fds {half[0][3]} -> {half[-1][3]}, threads {half[0][4]} -> {half[-1][4]} over the last half")
+    print("answers:", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    print(f"left in the core after the last client: running {running:g}, waiting {waiting:g}")
+    for f in failures:
+        print("  unexpected:", f)
+    fds_grew = half[-1][3] > half[0][3] + 8  # a few sockets may be mid-close at a sample
+    bad = bool(failures) or running or waiting or fds_grew
+    print("soak:", "FAILED" if bad else "ok")
+    return 1 if bad else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--model", default=None, help="HF model dir (default: the embedded default model)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    args, engine_argv = ap.parse_known_args()
+    if args.requests < 1 or args.concurrency < 1:
+        ap.error("--requests and --concurrency must be >= 1")
+    from tidal.frontend.make_model import ensure_default_model
+    from tidal.protocol.utils import free_port
+
+    args.model = args.model or ensure_default_model()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile(prefix="tidal-soak-", suffix=".log", delete=False) as log:
+        proc = start_server(args.model, port, engine_argv, log)
+        try:
+            asyncio.run(wait_healthy(base, proc, args.ready_timeout))
+            code = asyncio.run(run(args, base, psutil.Process(proc.pid)))
+        finally:
+            stop_server(proc)
+    if code or proc.returncode != 0:
+        print(f"server exit code {proc.returncode}; its log: {log.name}")
+        sys.exit(1)
+    os.unlink(log.name)
+
+
+if __name__ == "__main__":
+    main()
