@@ -30,6 +30,7 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import prometheus_client as prom
 
@@ -300,9 +301,11 @@ class EngineMetrics:
                  stat_loggers: Sequence[StatLoggerBase] = ()) -> None:
         self.prometheus = PrometheusStatLogger(model_name, max_model_len, prefix=prefix, engine_index=engine_index)
         self.logging = LoggingStatLogger(engine_index)
-        self.loggers: list[StatLoggerBase] = [self.prometheus, self.logging, *stat_loggers]
+        self.user_loggers: list[StatLoggerBase] = list(stat_loggers)
+        self.loggers: list[StatLoggerBase] = [self.prometheus, self.logging, *self.user_loggers]
         self.log_interval_s = log_interval_s
         self._next_log = time.monotonic() + log_interval_s
+        self._failed: set[int] = set()  # id() of each user logger whose first failure was logged
 
     @property
     def registry(self) -> prom.CollectorRegistry:
@@ -316,8 +319,10 @@ class EngineMetrics:
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         """Once per `EngineCoreOutputs` message (its `scheduler_stats`, None when it had none),
         and with `scheduler_stats=None` for requests finished outside a step (user aborts)."""
-        for stat_logger in self.loggers:
-            stat_logger.record(scheduler_stats, iteration_stats)
+        self.prometheus.record(scheduler_stats, iteration_stats)
+        self.logging.record(scheduler_stats, iteration_stats)
+        for stat_logger in self.user_loggers:
+            self._call_user_logger(stat_logger, "record", scheduler_stats, iteration_stats)
 
     def record_core_restart(self) -> None:
         self.prometheus.counter_core_restarts.inc()
@@ -325,8 +330,22 @@ class EngineMetrics:
     def log(self) -> None:
         """Every logger's periodic output now (vLLM's `do_log_stats()`)."""
         self._next_log = time.monotonic() + self.log_interval_s
-        for stat_logger in self.loggers:
-            stat_logger.log()
+        self.prometheus.log()
+        self.logging.log()
+        for stat_logger in self.user_loggers:
+            self._call_user_logger(stat_logger, "log")
+
+    def _call_user_logger(self, stat_logger: StatLoggerBase, method: str, *args: Any) -> None:
+        """A user's stat logger that raises loses that call, never the engine: these calls run
+        in the front-end's output handler (LLM's step loop), where an exception would end every
+        stream. Its first failure is logged with the traceback; it is still called after."""
+        try:
+            getattr(stat_logger, method)(*args)
+        except Exception:
+            if id(stat_logger) not in self._failed:
+                self._failed.add(id(stat_logger))
+                logger.exception("stat logger %s failed in %s() (its later failures are not logged)",
+                                 type(stat_logger).__name__, method)
 
     def seconds_until_log(self, now: float | None = None) -> float:
         """How long until `maybe_log` logs (0.0 once it is due)."""

@@ -220,7 +220,8 @@ class OfflineRunner:
     """LLM.generate on the server's workloads, one LLM, alive beside the server so that each
     timed server run has its offline twin right before or after it (same machine state: this
     2-core machine's speed drifts by tens of percent over a minute). Warmed up like the server:
-    a 4-token request, then the untimed `warmups`."""
+    a request for 4 tokens, then the untimed `warmups` (none of it shares a prompt with a timed
+    workload)."""
 
     def __init__(self, model: str, engine_kwargs: dict[str, Any], temperature: float,
                  warmups: list[list[Request]], server_pid: int) -> None:
@@ -308,15 +309,21 @@ def parse_args() -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     return args, engine_argv, engine_kwargs
 
 
+def plain_token_ids(model: str) -> list[int]:
+    """The ids of the model's tokenizer without its special tokens (random prompts of these
+    never hold an EOS or a chat-template marker)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    special = set(tok.all_special_ids)
+    return [i for i in range(len(tok)) if i not in special]
+
+
 def make_workloads(args: argparse.Namespace) -> tuple[list[list[Request]], list[list[Request]]]:
     """(the warm-up workloads, the timed ones): random token-id prompts over the model's
     vocabulary without its special tokens, a distinct workload per warm-up and repeat (a
     repeated one would hit the prefix cache)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.model)
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(len(tok)) if i not in special]
+    vocab = plain_token_ids(args.model)
     workloads = [sample_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, vocab, args.seed + i)
                  for i in range(args.repeats + args.num_warmups)]

@@ -10,8 +10,9 @@ is checked (status, usage, the token count). After every 1,000 requests it print
 front-end and of the engine core, the front-end's open file descriptors and threads; at the end,
 the growth per 1,000 requests over the last half (as scripts/soak.py) and quarter, the count of each kind,
 and what /metrics says is still running or waiting in the core once the last client is done
-(every abandoned stream must have been aborted: 0 and 0). Exit status 1 on any unexpected
-answer, a request left in the core, or descriptors that grew over the last half.
+(every abandoned stream must have been aborted: 0 and 0), and the front-end's descriptors with
+nothing in flight before and after. Exit status 1 on any unexpected answer, a request left in
+the core, descriptors left open, or a server that does not exit cleanly on SIGTERM.
 
 The core's RSS also grows while KV blocks are used for the first time (the cache's pages are
 zero-filled lazily; prefix caching hands out blocks it never used before it evicts): that levels
@@ -34,7 +35,7 @@ import msgspec
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import start_server, stop_server, wait_healthy  # noqa: E402
+from bench_serving import plain_token_ids, start_server, stop_server, wait_healthy  # noqa: E402
 from soak import _core_process, _rss_mb, _slope_per_1000  # noqa: E402
 from sse_client import Request, send  # noqa: E402
 
@@ -45,16 +46,17 @@ class Unexpected(Exception):
     """An answer other than the one the request must get."""
 
 
-def _gauge(text: str, name: str) -> float:
-    """The sum of a /metrics gauge over its label sets."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+def _gauge(text: str, name: str) -> float | None:
+    """The sum of a /metrics gauge over its label sets; None if /metrics has no such gauge."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    return sum(values) if values else None
 
 
 class Soak:
-    def __init__(self, base: str, model: str, vocab: int, max_model_len: int, rng: random.Random) -> None:
+    def __init__(self, base: str, model: str, ids: list[int], max_model_len: int, rng: random.Random) -> None:
         url = httpx.URL(base)
         self.host, self.port = url.host, url.port
-        self.model, self.vocab, self.max_model_len, self.rng = model, vocab, max_model_len, rng
+        self.model, self.ids, self.max_model_len, self.rng = model, ids, max_model_len, rng
         self.http = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(120.0),
                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self.kinds: list[tuple[str, Callable[[], Awaitable[None]], int]] = [
@@ -64,7 +66,7 @@ class Soak:
             ("too_long", self.too_long, 5)]
 
     def prompt(self) -> list[int]:
-        return [self.rng.randrange(3, self.vocab) for _ in range(self.rng.randrange(4, 48))]
+        return self.rng.choices(self.ids, k=self.rng.randrange(4, 48))
 
     def pick(self) -> tuple[str, Callable[[], Awaitable[None]]]:
         name, fn, _ = self.rng.choices(self.kinds, weights=[w for *_, w in self.kinds])[0]
@@ -131,8 +133,8 @@ class Soak:
                     if not chunk:
                         raise Unexpected("hang_up: the server closed first")
                     seen += chunk
-            if not seen.startswith(b"HTTP/1.1 200"):
-                raise Unexpected(f"hang_up: {seen[:80]!r}")
+                    if b"\r\n\r\n" in seen and not seen.startswith(b"HTTP/1.1 200"):
+                        raise Unexpected(f"hang_up: {seen[:120]!r}")
         finally:
             writer.close()
 
@@ -145,17 +147,38 @@ class Soak:
         await self.post("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 2}, 404)
 
     async def too_long(self) -> None:
-        ids = [self.rng.randrange(3, self.vocab) for _ in range(self.max_model_len + 1)]
+        ids = self.rng.choices(self.ids, k=self.max_model_len + 1)
         await self.post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 2}, 400)
 
 
-async def run(args: argparse.Namespace, base: str, server: psutil.Process) -> int:
-    from transformers import AutoTokenizer
+async def quiet_fds(server: psutil.Process) -> int:
+    """The front-end's open descriptors with no request in flight: the fewest seen over a
+    second (sockets the clients closed may take a moment to close on the server's side)."""
+    fds = server.num_fds()
+    for _ in range(10):
+        await asyncio.sleep(0.1)
+        fds = min(fds, server.num_fds())
+    return fds
 
+
+async def left_in_core(base: str, timeout_s: float = 30.0) -> tuple[float | None, float | None]:
+    """(running, waiting) from /metrics once both are 0 (the last hang-ups' aborts have to reach
+    the core), or as they are after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+        while True:
+            text = (await c.get("/metrics")).text
+            running, waiting = _gauge(text, "tidal:num_requests_running"), _gauge(text, "tidal:num_requests_waiting")
+            if (running == 0 and waiting == 0) or time.monotonic() > deadline:
+                return running, waiting
+            await asyncio.sleep(0.2)
+
+
+async def run(args: argparse.Namespace, base: str, server: psutil.Process) -> int:
     async with httpx.AsyncClient(base_url=base, timeout=30) as c:
         card = (await c.get("/v1/models")).json()["data"][0]
-    vocab = len(AutoTokenizer.from_pretrained(args.model))
-    soak = Soak(base, card["id"], vocab, card["max_model_len"], random.Random(args.seed))
+    soak = Soak(base, card["id"], plain_token_ids(args.model), card["max_model_len"], random.Random(args.seed))
+    fds0 = await quiet_fds(server)
     counts: Counter[str] = Counter()
     failures: list[str] = []
     samples: list[tuple[int, float, float, int, int]] = []
@@ -163,13 +186,23 @@ async def run(args: argparse.Namespace, base: str, server: psutil.Process) -> in
     done, t0 = 0, time.perf_counter()
     print(f"{'requests':>9} {'front MB':>9} {'core MB':>9} {'fds':>5} {'threads':>7} {'s':>7}", flush=True)
 
+    def sample() -> None:
+        try:
+            samples.append((done, _rss_mb(server), _rss_mb(_core_process(server)), server.num_fds(),
+                            server.num_threads()))
+        except psutil.Error as e:  # the server is gone: its requests fail and say so
+            failures.append(f"sampling the server: {type(e).__name__}: {e}")
+            return
+        print(f"{done:9d} {samples[-1][1]:9.1f} {samples[-1][2]:9.1f} {samples[-1][3]:5d} "
+              f"{samples[-1][4]:7d} {time.perf_counter() - t0:7.1f}", flush=True)
+
     async def one() -> None:
         nonlocal done
         name, fn = soak.pick()
         try:
             await fn()
             counts[name] += 1
-        except (Unexpected, httpx.HTTPError, OSError, TimeoutError, ValueError, KeyError, IndexError) as e:
+        except Exception as e:  # any answer but the right one counts against the server
             counts[name + " FAILED"] += 1
             if len(failures) < 20:
                 failures.append(f"{name}: {type(e).__name__}: {e}")
@@ -177,34 +210,33 @@ async def run(args: argparse.Namespace, base: str, server: psutil.Process) -> in
             sem.release()
             done += 1
             if done % REPORT_EVERY == 0:
-                core = _core_process(server)
-                samples.append((done, _rss_mb(server), _rss_mb(core), server.num_fds(), server.num_threads()))
-                print(f"{done:9d} {samples[-1][1]:9.1f} {samples[-1][2]:9.1f} {samples[-1][3]:5d} "
-                      f"{samples[-1][4]:7d} {time.perf_counter() - t0:7.1f}", flush=True)
+                sample()
 
     tasks = []
-    for _ in range(args.requests):
-        await sem.acquire()
-        tasks.append(asyncio.ensure_future(one()))
-    await asyncio.gather(*tasks)
-    await soak.http.aclose()
-    await asyncio.sleep(1.0)  # the last hang-ups' aborts reach the core
-    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-        text = (await c.get("/metrics")).text
-    running, waiting = _gauge(text, "tidal:num_requests_running"), _gauge(text, "tidal:num_requests_waiting")
-    half = [s for s in samples if s[0] >= args.requests // 2] or samples
-    quarter = [s for s in samples if s[0] >= args.requests * 3 // 4] or samples
+    try:
+        for _ in range(args.requests):
+            await sem.acquire()
+            tasks.append(asyncio.ensure_future(one()))
+        await asyncio.gather(*tasks)
+    finally:
+        await soak.http.aclose()
+    if not samples or samples[-1][0] != done:
+        sample()
+    running, waiting = await left_in_core(base)
+    fds1 = await quiet_fds(server)
+    half = [s for s in samples if s[0] >= args.requests // 2] or samples[-1:]
+    quarter = [s for s in samples if s[0] >= args.requests * 3 // 4] or samples[-1:]
     for name, part in (("half", half), ("quarter", quarter)):
         print(f"growth per 1,000 requests over the last {name} ({part[0][0]}..{part[-1][0]}): "
               f"front-end {_slope_per_1000([(s[0], s[1]) for s in part]):+.2f} MB, "
               f"core {_slope_per_1000([(s[0], s[2]) for s in part]):+.2f} MB")
-    print(f"open fds {half[0][3]} -> {half[-1][3]}, threads {half[0][4]} -> {half[-1][4]} over the last half")
+    print(f"front-end threads {half[0][4]} -> {half[-1][4]} over the last half; "
+          f"open fds with nothing in flight: {fds0} before, {fds1} after")
     print("answers:", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    print(f"left in the core after the last client: running {running:g}, waiting {waiting:g}")
+    print(f"left in the core after the last client: running {running}, waiting {waiting}")
     for f in failures:
         print("  unexpected:", f)
-    fds_grew = half[-1][3] > half[0][3] + 8  # a few sockets may be mid-close at a sample
-    bad = bool(failures) or running or waiting or fds_grew
+    bad = bool(failures) or running != 0 or waiting != 0 or fds1 > fds0 + 2
     print("soak:", "FAILED" if bad else "ok")
     return 1 if bad else 0
 
@@ -225,6 +257,7 @@ def main() -> None:
     args.model = args.model or ensure_default_model()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    code = 1
     with tempfile.NamedTemporaryFile(prefix="tidal-soak-", suffix=".log", delete=False) as log:
         proc = start_server(args.model, port, engine_argv, log)
         try:
@@ -232,8 +265,9 @@ def main() -> None:
             code = asyncio.run(run(args, base, psutil.Process(proc.pid)))
         finally:
             stop_server(proc)
+            if code or proc.returncode != 0:
+                print(f"server exit code {proc.returncode}; its log: {log.name}", file=sys.stderr)
     if code or proc.returncode != 0:
-        print(f"server exit code {proc.returncode}; its log: {log.name}")
         sys.exit(1)
     os.unlink(log.name)
 

@@ -471,6 +471,44 @@ async def test_from_engine_args_stats_and_loggers(long_model_dir: str, caplog: p
         engine.shutdown()
 
 
+class _Broken(_Recorder):
+    """A user's stat logger with a bug: every call raises, after counting itself."""
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        self.records.append(scheduler_stats)
+        raise RuntimeError("bug in a user's record()")
+
+    def log(self) -> None:
+        self.logs += 1
+        raise RuntimeError("bug in a user's log()")
+
+
+async def test_a_failing_user_stat_logger_never_ends_the_streams(long_model_dir: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Its calls run in the output handler: a raise there used to mark the engine dead. Now each
+    call is lost alone, its first failure logged, and the built-in metrics still count."""
+    from tidal.frontend import AsyncEngineArgs
+
+    broken: list[_Broken] = []
+    args = AsyncEngineArgs(model=long_model_dir, model_runner="null", max_model_len=1024)
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, i: broken.append(_Broken(cfg, i)) or broken[-1]])
+    try:
+        with caplog.at_level(logging.ERROR, logger="tidal.frontend.metrics"):
+            for i in range(3):
+                outs = await collect(engine, f"b{i}", "abc", SamplingParams(max_tokens=5, ignore_eos=True))
+                assert len(outs[-1].outputs[0].token_ids) == 5 and outs[-1].finished
+            await engine.do_log_stats()
+        await engine.check_health()
+        assert len(broken[0].records) >= 3 and broken[0].logs == 1  # still called after failing
+        failures = [r for r in caplog.records if "stat logger _Broken failed" in r.getMessage()]
+        assert len(failures) == 1 and failures[0].exc_info is not None  # the first only, with its traceback
+        served = {m.name: m for m in engine.metrics.get_metrics() if not m.labels.get("finished_reason")}
+        assert served["vllm:generation_tokens"].value == 15
+    finally:
+        engine.shutdown()
+
+
 def test_failure_late_in_start_up_stops_the_core(long_model_dir: str) -> None:
     """A stat logger factory that raises (the last step of start-up): the core it started is gone."""
     from tidal.frontend import AsyncEngineArgs

@@ -332,11 +332,12 @@ async def test_server_logs_one_stats_line_per_interval(caplog: pytest.LogCapture
             await asyncio.sleep(3 * interval + 0.1)  # idle: no core message, the timer alone logs
         finally:
             timer.cancel()
+            await asyncio.gather(timer, return_exceptions=True)
     times = [r.created for r in caplog.records if r.getMessage().startswith("Engine 000:")]
     assert len(times) == len(caplog.records)
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert 3 <= busy <= 6 and len(times) - busy >= 2, (busy, len(times))
-    assert min(gaps) >= interval - 0.01, gaps
+    assert min(gaps) >= interval / 2, gaps  # the double line came milliseconds after the first
 
 
 def test_observe_many_exposes_what_observe_does() -> None:

@@ -229,10 +229,7 @@ async def _log_stats(engine: AsyncLLM) -> None:
     none comes (an idle engine). Both ask `maybe_log`, so whichever comes first logs and the
     other waits for the next interval: a forced log here used to follow the handler's by
     milliseconds, a second line over an empty interval."""
-    metrics = engine.metrics
-    if metrics is None:
-        return
-    while True:
+    while (metrics := engine.metrics) is not None:
         await asyncio.sleep(max(_LOG_POLL_MIN_S, metrics.seconds_until_log()))
         try:
             metrics.maybe_log()
