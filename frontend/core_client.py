@@ -89,8 +89,9 @@ class SyncMPClient(MPClientBase):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_dead()
+        frames = self._encode_request(request)
         if self.lost is None:  # else it goes with the resubmission
-            self.sock.send_multipart(self._encode(ADD, request), copy=False)
+            self.sock.send_multipart(frames, copy=False)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None and not self._closed and self.lost is None:
@@ -174,7 +175,7 @@ class AsyncMPClient(MPClientBase):
             fut.add_done_callback(_log_send_failure)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(self._encode(ADD, request))
+        self._send(self._encode_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None and not self._closed:

@@ -35,7 +35,7 @@ from tidal.protocol.messages import (
     decode_utility_result,
 )
 from tidal.protocol.utils import Deadline, summarize_exception
-from tidal.protocol.zmq_utils import Heartbeat, make_socket
+from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES, Heartbeat, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +270,18 @@ class MPClientBase:
 
     def _encode(self, kind: bytes, obj: Any) -> list[Any]:
         return [kind, *self._encoder.encode(obj)]
+
+    def _encode_request(self, request: EngineCoreRequest) -> list[Any]:
+        """A new request's ADD message. ValueError, with nothing sent, past what a core accepts:
+        libzmq would drop the connection instead, which reads as a lost core (a restart for
+        everyone, and the same request sent again)."""
+        frames = self._encode(ADD, request)
+        size = sum(memoryview(frame).nbytes for frame in frames)
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(f"the request is {size} bytes encoded, more than the {MAX_MESSAGE_BYTES} bytes an "
+                             "engine core accepts in one message (its prompt, stop strings, token-id lists and "
+                             "logit_bias make it up)")
+        return frames
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self, abort: list[str] | None = None) -> None:

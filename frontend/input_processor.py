@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import operator
 import os
 import random
@@ -189,7 +190,7 @@ class InputProcessor:
         if problem is not None:
             raise ValueError(problem)
         request = EngineCoreRequest(request_id, ids, params, self.eos_token_id,
-                                    time.time() if arrival_time is None else arrival_time, priority,
+                                    time.time() if arrival_time is None else _arrival_time(arrival_time), priority,
                                     cache_salt=salt)
         return request, text
 
@@ -232,6 +233,16 @@ class InputProcessor:
                 params = params.clone(seed=self._draw_seed(params))
             return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time, priority)
         return self.process(request_id, prompt, params, arrival_time, priority)
+
+
+def _arrival_time(value: object) -> float:
+    """A caller's `arrival_time` (vLLM's: seconds since the epoch, as time.time()): a finite
+    number, else ValueError. Anything else would reach the latency stats of every step it is
+    in, where a non-number raises in the output handler."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise ValueError(f"arrival_time must be a finite number of seconds since the epoch (time.time()), "
+                     f"got {value!r}")
 
 
 def plain_token_ids(value: object) -> list[int] | None:

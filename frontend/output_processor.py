@@ -7,6 +7,7 @@ output kind; the `RequestOutput` goes in the request's queue (`AsyncLLM`) or is 
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
@@ -21,6 +22,8 @@ from tidal.protocol.errors import EngineGenerateError, EngineOverloadedError, In
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, ErrorKind, FinishReason
 from tidal.protocol.outputs import CompletionOutput, RequestOutput, RequestStateStats, append_delta
 from tidal.protocol.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
 
 _DELTA = RequestOutputKind.DELTA
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -239,23 +242,45 @@ class OutputProcessor:
             state = states.get(req_id)
             if state is None:
                 continue  # aborted, or unknown
-            if out.finish_reason is not None and out.finish_reason == FinishReason.ERROR:
-                self._fail(state, out.error or f"request {state.external_req_id} failed", step,
-                           request_outputs, _ERROR_CLASS.get(out.error_kind, EngineGenerateError))
-                continue
-            completion = state.update(out, step)
-            if completion is None:
-                continue
-            if self.stream_interval > 1 and (completion := self._paced(state, completion)) is None:
-                continue  # held back: stream_interval
-            self._emit(state, completion, request_outputs)
-            if completion.finish_reason is not None:
-                self._finished(state, completion.finish_reason, step)
-                if out.finish_reason is None:  # a stop string: the core has not finished it
-                    reqs_to_abort.append(self._abort(state))
-                else:
-                    self._drop(state)
+            try:
+                self._process_one(state, out, step, request_outputs, reqs_to_abort)
+            except Exception as e:
+                self._fail_processing(state, out, e, request_outputs, reqs_to_abort)
         return result
+
+    def _process_one(self, state: RequestState, out: EngineCoreOutput, step: _Step | None,
+                     request_outputs: list[RequestOutput | Exception], reqs_to_abort: list[str]) -> None:
+        if out.finish_reason is not None and out.finish_reason == FinishReason.ERROR:
+            self._fail(state, out.error or f"request {state.external_req_id} failed", step,
+                       request_outputs, _ERROR_CLASS.get(out.error_kind, EngineGenerateError))
+            return
+        completion = state.update(out, step)
+        if completion is None:
+            return
+        if self.stream_interval > 1 and (completion := self._paced(state, completion)) is None:
+            return  # held back: stream_interval
+        self._emit(state, completion, request_outputs)
+        if completion.finish_reason is not None:
+            self._finished(state, completion.finish_reason, step)
+            if out.finish_reason is None:  # a stop string: the core has not finished it
+                reqs_to_abort.append(self._abort(state))
+            else:
+                self._drop(state)
+
+    def _fail_processing(self, state: RequestState, out: EngineCoreOutput, e: Exception,
+                         request_outputs: list[RequestOutput | Exception], reqs_to_abort: list[str]) -> None:
+        """One request's output could not be processed (say, a Python tokenizer that cannot
+        decode an id of the model's padded vocabulary): that request ends with the error (and
+        is aborted in the core if it runs there), the rest of the message and every other
+        stream go on. Its stats are left out: they may be what failed."""
+        logger.error("request %s: processing its output failed", state.external_req_id, exc_info=e)
+        if self.request_states.get(state.request_id) is not state:
+            return  # it was already ended before the failure
+        self._fail(state, f"processing this request's output failed: {type(e).__name__}: {e}", None,
+                   request_outputs)
+        if out.finish_reason is None:  # still running in the core
+            self._expect_final(state.request_id)
+            reqs_to_abort.append(state.request_id)
 
     def _fail(self, state: RequestState, message: str, step: _Step | None,
               request_outputs: list[RequestOutput | Exception],

@@ -509,6 +509,28 @@ async def test_a_failing_user_stat_logger_never_ends_the_streams(long_model_dir:
         engine.shutdown()
 
 
+async def test_a_request_too_big_for_the_core_is_refused_before_sending(long_model_dir: str) -> None:
+    """Past MAX_MESSAGE_BYTES encoded (here a 65 MiB stop string), libzmq would drop the
+    front-end's connection, which read as a lost core: a restart for every stream, twice, and
+    the request given up. Now a ValueError names the limit, and the core never sees it."""
+    from tidal.frontend import AsyncEngineArgs
+    from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=long_model_dir, model_runner="null", max_model_len=1024))
+    try:
+        bystander = engine.generate("abc", SamplingParams(max_tokens=900, ignore_eos=True), "by")
+        await _first_output(bystander)
+        with pytest.raises(ValueError, match=f"more than the {MAX_MESSAGE_BYTES} bytes"):
+            await collect(engine, "big", "abc", SamplingParams(max_tokens=3, stop=["x" * (65 << 20)]))
+        outs = [o async for o in bystander]
+        assert len(outs[-1].outputs[0].token_ids) == 900 and outs[-1].finished
+        assert engine.engine_core.num_restarts == 0
+        outs = await collect(engine, "next", "abc", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(outs[-1].outputs[0].token_ids) == 3 and engine.get_num_unfinished_requests() == 0
+    finally:
+        engine.shutdown()
+
+
 def test_failure_late_in_start_up_stops_the_core(long_model_dir: str) -> None:
     """A stat logger factory that raises (the last step of start-up): the core it started is gone."""
     from tidal.frontend import AsyncEngineArgs

@@ -103,6 +103,14 @@ def test_value_errors(ip: InputProcessor, prompt: Any, params: SamplingParams, m
         ip.process("r", prompt, params)
 
 
+@pytest.mark.parametrize("bad", ["1700000000", True, float("nan"), float("inf"), [1.0]])
+def test_arrival_time_must_be_a_finite_number(ip: InputProcessor, bad: Any) -> None:
+    """A non-number would reach the latency stats of the steps it is in (and raise there)."""
+    with pytest.raises(ValueError, match="arrival_time must be a finite number"):
+        ip.process("r", "hi", SamplingParams(), arrival_time=bad)
+    assert ip.process("r", "hi", SamplingParams(), arrival_time=1_700_000_000)[0].arrival_time == 1.7e9
+
+
 def test_bad_request_id_and_params(ip: InputProcessor) -> None:
     with pytest.raises(ValueError, match="request_id"):
         ip.process("", "hi", SamplingParams())

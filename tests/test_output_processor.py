@@ -404,6 +404,57 @@ def test_metrics_only_with_stats(tokenizer: Any) -> None:
     assert out.metrics is None
 
 
+def _python_tokenizer() -> Any:
+    """A pure-Python tokenizer (no Rust backend, as a trust_remote_code model may bring) over a
+    10-word vocabulary: it raises KeyError for an id past it, as a padded model vocabulary has."""
+    from transformers import PreTrainedTokenizer
+
+    class WordTokenizer(PreTrainedTokenizer):
+        def __init__(self, **kwargs: Any) -> None:
+            self.words = {f"w{i}": i for i in range(10)}
+            self.by_id = {i: w for w, i in self.words.items()}
+            super().__init__(eos_token="w0", **kwargs)
+
+        @property
+        def vocab_size(self) -> int:
+            return len(self.words)
+
+        def get_vocab(self) -> dict[str, int]:
+            return dict(self.words)
+
+        def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
+            return text.split()
+
+        def _convert_token_to_id(self, token: str) -> int:
+            return self.words[token]
+
+        def _convert_id_to_token(self, index: int) -> str:
+            return self.by_id[index]
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return " ".join(tokens)
+
+    return WordTokenizer()
+
+
+def test_a_request_whose_output_cannot_be_processed_fails_alone() -> None:
+    """Request "a" samples an id its tokenizer cannot decode: "a" ends with the error and goes to
+    the core's abort list, the other requests of the same messages stream on to their end, and
+    the core's final word on "a" (its abort) is swallowed."""
+    op = OutputProcessor(_python_tokenizer())
+    for rid in ("a", "b"):
+        op.add_request(EngineCoreRequest(rid, [1, 2], SamplingParams(output_kind=CUM), 0), None)
+    r = op.process_outputs([EngineCoreOutput("a", [50]), EngineCoreOutput("b", [3])])
+    (err, b1) = r.request_outputs
+    assert isinstance(err, EngineGenerateError) and "KeyError" in str(err) and err.request_id == "a"
+    assert r.reqs_to_abort == ["a"] and b1.outputs[0].text == " w3"
+    r = op.process_outputs([EngineCoreOutput("a", [], finish_reason=FinishReason.ABORT),
+                            EngineCoreOutput("b", [4], finish_reason=FinishReason.LENGTH)])
+    (b2,) = r.request_outputs
+    assert b2.finished and b2.outputs[0].text == " w3 w4" and not r.reqs_to_abort
+    assert op.get_num_unfinished_requests() == 0 and not op._awaiting_final
+
+
 # ------------------------------------------------------------------ logprobs containers and text
 
 
