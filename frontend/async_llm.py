@@ -340,12 +340,18 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         except EngineDeadError:
             return  # its dead callback failed every stream
         client.reopen_async_view()
-        give_up = self._resume_requests()
-        client.resumed()
-        if give_up:
-            it = self._new_iteration()
-            self._process_outputs(give_up, None, it)
-            self._record_iteration(None, it)
+        try:
+            give_up = self._resume_requests()
+            client.resumed()
+            if give_up:
+                it = self._new_iteration()
+                self._process_outputs(give_up, None, it)
+                self._record_iteration(None, it)
+        except Exception as e:  # unhandled, this task would end alone and every stream wait forever
+            logger.exception("AsyncLLM: resuming the requests on the restarted engine core failed")
+            client.resume_failed(f"resuming the requests on the restarted engine core failed: "
+                                 f"{type(e).__name__}: {e}")
+            return
         self._handler = None
         if not self._closed:
             self._ensure_handler()

@@ -253,6 +253,12 @@ class MPClientBase:
         """The front-end resubmitted its requests to the new core: sends go through again."""
         self.lost = None
 
+    def resume_failed(self, reason: str) -> None:
+        """The front-end could not resume its requests on the new core: the engine is dead (its
+        dead callbacks end every stream; mark_dead alone ignores a core still `lost`)."""
+        self.lost = None
+        self.mark_dead(reason, restartable=False)
+
     def check_dead(self) -> None:
         if self.dead is not None:
             raise self.dead

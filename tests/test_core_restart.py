@@ -223,6 +223,31 @@ async def test_request_that_kills_a_worker_is_quarantined_then_fails_alone(
         engine.shutdown()
 
 
+async def test_a_failed_resume_fails_the_streams_instead_of_hanging(long_model_dir: str, no_orphans: None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: resuming the streams on the new core raises. The restart task used to end
+    alone with the exception and leave every stream waiting for good; now they end with
+    EngineDeadError naming the cause."""
+    engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=4096)
+
+    def broken_resume() -> list[Any]:
+        raise RuntimeError("injected: resubmission failed")
+
+    monkeypatch.setattr(engine, "_resume_requests", broken_resume)
+    try:
+        gen = engine.generate("abc", SamplingParams(max_tokens=4000, ignore_eos=True), "s")
+        await gen.__anext__()
+        os.kill(engine.engine_core.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="injected: resubmission failed"):
+            async with asyncio.timeout(60):
+                async for _ in gen:
+                    pass
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+    finally:
+        engine.shutdown()
+
+
 async def test_restart_budget_then_engine_dead_error(long_model_dir: str, no_orphans: None) -> None:
     engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=65536, max_core_restarts=1)
     try:
