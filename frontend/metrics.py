@@ -302,7 +302,6 @@ class EngineMetrics:
         self.prometheus = PrometheusStatLogger(model_name, max_model_len, prefix=prefix, engine_index=engine_index)
         self.logging = LoggingStatLogger(engine_index)
         self.user_loggers: list[StatLoggerBase] = list(stat_loggers)
-        self.loggers: list[StatLoggerBase] = [self.prometheus, self.logging, *self.user_loggers]
         self.log_interval_s = log_interval_s
         self._next_log = time.monotonic() + log_interval_s
         self._failed: set[int] = set()  # id() of each user logger whose first failure was logged

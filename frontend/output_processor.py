@@ -10,165 +10,27 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 import msgspec
 
-from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulator, TokenTexts
+from tidal.frontend.detokenizer import TokenTexts
 from tidal.frontend.metrics_stats import IterationStats
 from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.parallel_sampling import ParentRequest
+from tidal.frontend.request_state import STATE_CLASS, RequestState, Step
 from tidal.protocol.errors import EngineGenerateError, EngineOverloadedError, InvalidRequestError
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, ErrorKind, FinishReason
 from tidal.protocol.outputs import CompletionOutput, RequestOutput, RequestStateStats, append_delta
-from tidal.protocol.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
-_DELTA = RequestOutputKind.DELTA
-_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
-_FINISH_STR = {r: str(r) for r in FinishReason}
-_STOP_STR = str(FinishReason.STOP)
-_NO_LOGPROBS: tuple[None, None] = (None, None)
 _MAX_AWAITING = 4096
 # Refused at admission (queue full, core draining) or as invalid: classes of their own, so
 # callers (and the server's 503 / 400) can tell "retry later" and "fix the request" from a
 # request that failed.
 _ERROR_CLASS: dict[ErrorKind, type[EngineGenerateError]] = {
     ErrorKind.OVERLOADED: EngineOverloadedError, ErrorKind.INVALID: InvalidRequestError}
-
-
-class RequestState:
-    """Front-end state of one (child) request: its detokenizer (text and stop strings), its
-    logprobs, its stats; a subclass per output kind builds the completions (`_completion`)."""
-
-    _keeps_token_ids = True  # `_completion` appends every output id to token_ids
-    output_kind_is_delta = False  # outputs carry only what is new (their held ones must join)
-    __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
-                 "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
-                 "text", "text_parts", "token_ids", "core_request", "generated", "num_prompt_lp_rows",
-                 "progress_mark", "suspect_streak", "solo_crashes", "quarantined", "sent_tokens", "held")
-
-    def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
-                 index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
-                 token_texts: TokenTexts | None, log_stats: bool) -> None:
-        params, self.request_id = request.sampling_params, request.request_id
-        self.external_req_id = parent.request_id if parent is not None else request.request_id
-        self.parent, self.index, self.queue = parent, index, queue
-        self.prompt, self.prompt_token_ids = prompt, request.prompt_token_ids
-        self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request)
-        self.logprobs = (LogprobsAccumulator(params, token_texts if params.detokenize else None,
-                                             request.prompt_token_ids)
-                         if params.logprobs is not None or params.prompt_logprobs is not None else None)
-        self.num_cached_tokens = 0
-        self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
-        self.max_tokens = params.max_tokens  # for the max-tokens histogram
-        self.text = ""  # released text (CUMULATIVE)
-        self.text_parts: list[str] = []  # released text (FINAL_ONLY: joined once)
-        self.token_ids: list[int] = []  # all output ids (not kept for DELTA)
-        # For a resubmission after a core restart (OutputProcessor.resume_after_crash): what
-        # was sent, every token the core generated so far, the prompt-logprob rows received,
-        # len(generated) when it was last sent, the crashes in a row it was a suspect of
-        # without progress, the crashes while it ran alone (quarantined) without progress, and
-        # whether it goes back quarantined.
-        self.core_request = request
-        # CUMULATIVE and FINAL_ONLY keep every output id anyway: one list serves both.
-        self.generated: list[int] = self.token_ids if self._keeps_token_ids else []
-        self.num_prompt_lp_rows = 0
-        self.progress_mark = 0
-        self.suspect_streak = 0
-        self.solo_crashes = 0
-        self.quarantined = False
-        # stream_interval: len(generated) when an output last went out, and a DELTA output held
-        # back since (its text, ids and logprobs go out with the next one).
-        self.sent_tokens = 0
-        self.held: CompletionOutput | None = None
-
-    def update(self, out: EngineCoreOutput, step: "_Step | None" = None) -> CompletionOutput | None:
-        """Apply one core output (of the core message `step`, whose IterationStats it feeds when
-        stats are on); returns the completion to emit, if any. A finished completion for an
-        output the core did not finish was ended by a stop string, here."""
-        new_ids, finish = out.new_token_ids, out.finish_reason
-        if new_ids and not self._keeps_token_ids:
-            self.generated.extend(new_ids)
-        if out.new_prompt_logprobs is not None:
-            self.num_prompt_lp_rows += len(out.new_prompt_logprobs.ranks)
-        if out.num_cached_tokens:
-            self.num_cached_tokens = out.num_cached_tokens
-        text, stop_str = self.detokenizer.step(new_ids, finish)
-        if self.logprobs is not None:
-            self.logprobs.add(out)
-        if self.stats is not None and step is not None:
-            step.stats.update_from_output(out, step.timestamp, len(self.prompt_token_ids), self.stats)
-        if stop_str is not None:
-            return self._completion(text, new_ids, _STOP_STR, stop_str)
-        if finish is None:
-            return self._completion(text, new_ids, None, None)
-        return self._completion(text, new_ids, _FINISH_STR[finish], out.stop_reason)
-
-    def _completion(self, text: str, new_ids: list[int], finish: str | None,
-                    stop_reason: int | str | None) -> CompletionOutput | None:
-        raise NotImplementedError
-
-
-class _DeltaState(RequestState):
-    """DELTA: only what is new (nothing is kept)."""
-
-    __slots__ = ()
-    _keeps_token_ids = False
-    output_kind_is_delta = True
-
-    def _completion(self, text: str, new_ids: list[int], finish: str | None,
-                    stop_reason: int | str | None) -> CompletionOutput | None:
-        if finish is None and not new_ids:
-            return None  # e.g. a prompt-logprobs chunk of a chunked prefill
-        logprobs, cumulative = _NO_LOGPROBS if self.logprobs is None else self.logprobs.sample()
-        return CompletionOutput(self.index, text, new_ids, cumulative, logprobs, finish, stop_reason)
-
-
-class _CumulativeState(RequestState):
-    """CUMULATIVE: everything so far; an output is a snapshot, never a view of later state."""
-
-    __slots__ = ()
-
-    def _completion(self, text: str, new_ids: list[int], finish: str | None,
-                    stop_reason: int | str | None) -> CompletionOutput | None:
-        if finish is None and not new_ids:
-            return None
-        self.token_ids.extend(new_ids)
-        if text:
-            self.text += text
-        logprobs, cumulative = _NO_LOGPROBS if self.logprobs is None else self.logprobs.sample()
-        token_ids = self.token_ids if finish is not None else self.token_ids[:]
-        return CompletionOutput(self.index, self.text, token_ids, cumulative, logprobs, finish, stop_reason)
-
-
-class _FinalOnlyState(RequestState):
-    """FINAL_ONLY: one output, at the finish."""
-
-    __slots__ = ()
-
-    def _completion(self, text: str, new_ids: list[int], finish: str | None,
-                    stop_reason: int | str | None) -> CompletionOutput | None:
-        self.token_ids.extend(new_ids)
-        if text:
-            self.text_parts.append(text)
-        if finish is None:
-            return None
-        logprobs, cumulative = _NO_LOGPROBS if self.logprobs is None else self.logprobs.sample()
-        return CompletionOutput(self.index, "".join(self.text_parts), self.token_ids, cumulative,
-                                logprobs, finish, stop_reason)
-
-
-_STATE_CLASS: dict[RequestOutputKind, type[RequestState]] = {
-    RequestOutputKind.CUMULATIVE: _CumulativeState, _DELTA: _DeltaState, _FINAL_ONLY: _FinalOnlyState}
-
-
-class _Step(NamedTuple):
-    """One core message being processed with stats on: its IterationStats and timestamp."""
-
-    stats: IterationStats
-    timestamp: float
 
 
 @dataclass
@@ -203,7 +65,7 @@ class OutputProcessor:
         if request.sampling_params.n > 1:
             parent = ParentRequest(request.request_id, request.sampling_params)
             requests = parent.make_children(request)
-        states = [_STATE_CLASS[req.sampling_params.output_kind](
+        states = [STATE_CLASS[req.sampling_params.output_kind](
             req, prompt, parent, index, queue, self.tokenizer, self._token_texts, self.log_stats)
             for index, req in enumerate(requests)]
         if parent is not None:
@@ -218,10 +80,10 @@ class OutputProcessor:
             self._drop(state)
         self.parent_requests.pop(request_id, None)
 
-    def _step(self, iteration_stats: IterationStats | None, timestamp: float | None) -> _Step | None:
+    def _step(self, iteration_stats: IterationStats | None, timestamp: float | None) -> Step | None:
         if not self.log_stats:
             return None
-        return _Step(IterationStats() if iteration_stats is None else iteration_stats,
+        return Step(IterationStats() if iteration_stats is None else iteration_stats,
                      time.monotonic() if timestamp is None else timestamp)
 
     def process_outputs(self, outputs: list[EngineCoreOutput], engine_core_timestamp: float | None = None,
@@ -248,7 +110,7 @@ class OutputProcessor:
                 self._fail_processing(state, out, e, request_outputs, reqs_to_abort)
         return result
 
-    def _process_one(self, state: RequestState, out: EngineCoreOutput, step: _Step | None,
+    def _process_one(self, state: RequestState, out: EngineCoreOutput, step: Step | None,
                      request_outputs: list[RequestOutput | Exception], reqs_to_abort: list[str]) -> None:
         if out.finish_reason is not None and out.finish_reason == FinishReason.ERROR:
             self._fail(state, out.error or f"request {state.external_req_id} failed", step,
@@ -276,13 +138,12 @@ class OutputProcessor:
         logger.error("request %s: processing its output failed", state.external_req_id, exc_info=e)
         if self.request_states.get(state.request_id) is not state:
             return  # it was already ended before the failure
+        if out.finish_reason is None:  # still running in the core
+            reqs_to_abort.append(self._abort(state))
         self._fail(state, f"processing this request's output failed: {type(e).__name__}: {e}", None,
                    request_outputs)
-        if out.finish_reason is None:  # still running in the core
-            self._expect_final(state.request_id)
-            reqs_to_abort.append(state.request_id)
 
-    def _fail(self, state: RequestState, message: str, step: _Step | None,
+    def _fail(self, state: RequestState, message: str, step: Step | None,
               request_outputs: list[RequestOutput | Exception],
               error_class: type[EngineGenerateError] = EngineGenerateError) -> None:
         self._finished(state, "error", step)
@@ -390,7 +251,7 @@ class OutputProcessor:
         state.queue.put(output) if state.queue is not None else request_outputs.append(output)
 
     @staticmethod
-    def _finished(state: RequestState, reason: str, step: _Step | None) -> None:
+    def _finished(state: RequestState, reason: str, step: Step | None) -> None:
         if step is not None and state.stats is not None:
             step.stats.update_from_finished_request(reason, len(state.prompt_token_ids), state.max_tokens,
                                                     state.stats, state.num_cached_tokens)
