@@ -136,7 +136,7 @@ def tiny_input_processor() -> Any:
 
 def _fail_second_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building the second (child) request state raises, as a broken detokenizer would."""
-    from tidal.frontend import output_processor as op_module
+    from tidal.frontend import request_state as op_module  # where RequestState builds its detokenizer
 
     real, calls = op_module.IncrementalDetokenizer.from_request, [0]
 
