@@ -33,6 +33,7 @@ import errno
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import zmq
@@ -148,6 +149,22 @@ class CoreIO:
             if not self._io_thread.is_alive():
                 break  # nothing will free a slot; close() still delivers what it can
         self._out_q.put((identity, outputs))
+
+    def flush(self, timeout_s: float = 0.1) -> bool:
+        """Wait (at most `timeout_s`) until every message sent so far is in the ROUTER, whose
+        libzmq thread writes it out without the GIL: a message flushed before a step survives
+        the process being killed during that step. True when nothing is left in flight."""
+        taken = 0
+        deadline = time.monotonic() + timeout_s
+        try:
+            while taken < _MAX_IN_FLIGHT:
+                if not self._in_flight.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    return False
+                taken += 1
+            return True
+        finally:
+            if taken:
+                self._in_flight.release(taken)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Deliver every queued output (within the ROUTER's linger), then close the sockets."""

@@ -18,8 +18,11 @@ requests that were in the step that failed (`failed_step_request_ids`: the suspe
 quarantines), and exits non-zero; SIGTERM/SIGINT shut down cleanly; a spawned core exits when
 its parent dies (PR_SET_PDEATHSIG plus a parent-pid poll in a watchdog thread). A headless core drains on
 SIGTERM first (core/drain.py): no new requests, the ones in flight finish (bounded), then the
-same clean shutdown. A keyed core (`key_file`) serves only front-ends holding its CURVE key
-(protocol/curve.py).
+same clean shutdown. A spawned core obeys the SIGTERM/SIGINT its front-end sends; the first
+one from anyone else while the front-end lives is the whole process group's (`timeout`,
+systemd, Ctrl-C): the front-end got it too and is draining its streams, so the core keeps
+serving them until the front-end stops it (a second such signal stops it at once). A keyed
+core (`key_file`) serves only front-ends holding its CURVE key (protocol/curve.py).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from tidal.protocol.messages import (
     UtilityRequest,
     encode_utility_result,
 )
-from tidal.protocol.process import exit_with_parent
+from tidal.protocol.process import GROUP_SIGNALS, exit_with_parent, unblock_group_signals, watch_signals
 from tidal.protocol.utils import setup_logging, summarize_exception
 
 logger = logging.getLogger("tidal.core.core_proc")
@@ -100,7 +103,7 @@ class EngineCoreProc:
         try:
             from tidal.core.engine_core import EngineCore
 
-            self.engine = EngineCore(self.config, apply_input=self._drain)
+            self.engine = EngineCore(self.config, apply_input=self._drain, announce=self._announce)
         except _Shutdown:
             self.io.close()
             return 0
@@ -202,8 +205,18 @@ class EngineCoreProc:
         gc.enable()
 
     def _step(self) -> None:
-        for identity, outputs in self.engine.step().items():
+        self._send_all(self.engine.step())
+
+    def _send_all(self, outputs_by_client: dict[Any, EngineCoreOutputs]) -> None:
+        for identity, outputs in outputs_by_client.items():
             self.io.send(identity, outputs)
+
+    def _announce(self, outputs_by_client: dict[Any, EngineCoreOutputs]) -> None:
+        """Requests about to run their first step: on the wire before the step starts, so the
+        front-end knows they ran even if this process is killed during it (a flush costs a
+        thread hand-off, once per step that starts requests)."""
+        self._send_all(outputs_by_client)
+        self.io.flush()
 
     def _drain(self) -> None:
         """Apply everything on the input queue (also called by the engine mid-step)."""
@@ -271,6 +284,32 @@ def _watch_parent(parent_pid: int) -> None:
     exit_with_parent(signal.SIGUSR1)
 
 
+class _GroupSignalFilter:
+    """A spawned core's SIGTERM/SIGINT by sender (protocol/process.py's watch_signals). Its
+    front-end's, or any once the front-end is gone, go on to `on_stop` in the main thread as
+    if delivered there. The first from anyone else while the front-end lives is taken for the
+    process group's shutdown signal, which the front-end got too: it drains its streams, which
+    need this core, then stops it; so that one is only logged. Runs in the signal thread."""
+
+    def __init__(self, proc_ref: list[EngineCoreProc | None], parent_pid: int) -> None:
+        self.proc_ref = proc_ref
+        self.parent_pid = parent_pid
+        self.deferred: str | None = None  # the group's signal, once one came
+
+    def __call__(self, signum: int, sender: int) -> None:
+        name = signal.Signals(signum).name
+        if sender != self.parent_pid and os.getppid() == self.parent_pid and self.deferred is None:
+            self.deferred = name
+            logger.info("%s from pid %d, not from this core's front-end (pid %d): taken for the process "
+                        "group's shutdown; serving the requests in flight until the front-end stops this "
+                        "core (another such signal stops it now)", name, sender, self.parent_pid)
+            return
+        _thread.interrupt_main(signum)  # on_stop runs in the main thread at its next bytecode
+        proc = self.proc_ref[0]
+        if proc is not None:
+            proc.input_queue.put((_WAKE, b"", None))  # ...which an idle wait must not delay
+
+
 def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: int | None) -> None:
     def on_stop(signum: int, _frame: Any) -> None:
         proc = proc_ref[0]
@@ -293,9 +332,14 @@ def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: 
         if parent_pid is not None and os.getppid() != parent_pid:
             on_stop(signum, _frame)
 
+    if parent_pid is None:
+        unblock_group_signals()  # standalone: they stop it, whoever started it (it may pass them on blocked)
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     if parent_pid is not None:
+        # The front-end started this process with them blocked (protocol/process.py); the
+        # watcher starts after on_stop is in place, which the filter hands signals on to.
+        watch_signals(GROUP_SIGNALS, _GroupSignalFilter(proc_ref, parent_pid), "tidal-core-signals")
         signal.signal(signal.SIGUSR1, on_parent_signal)
         _watch_parent(parent_pid)
 

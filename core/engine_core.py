@@ -14,6 +14,10 @@ Invariants:
 - `apply_input` (the core process's input drain) runs between the forward pass and the update
   that builds the step's outputs, so an abort that arrived during the forward pass wins over
   it: the request gets its one ABORT output, and the tokens of the step it raced are dropped.
+- Before the forward pass of a request's first step on this core, its front-end gets a
+  "started" output (no tokens, its SCHEDULED event) through `announce` when one is given (the
+  core process sends it at once): a core that vanishes mid-step names no failing step, and the
+  front-end then blames only the requests it knows had started (resume_after_crash).
 - A step that raises leaves `_step_in_flight` set: `failed_step_request_ids` then names each
   front-end's requests that were in it, for the `engine_dead` message (the front-end
   quarantines them on the next core, OutputProcessor.resume_after_crash).
@@ -27,9 +31,10 @@ from typing import Any, Callable
 from tidal.core.executor import Executor
 from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.core.scheduler import Scheduler
-from tidal.core.structured_output import StructuredOutputManager
+from tidal.core.structured_output import GrammarFailure, StructuredOutputManager
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import (
+    EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -67,7 +72,8 @@ def client_of(internal: str) -> ClientIndex:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
-                 apply_input: Callable[[], None] | None = None) -> None:
+                 apply_input: Callable[[], None] | None = None,
+                 announce: Callable[[dict[ClientIndex, EngineCoreOutputs]], None] | None = None) -> None:
         self.config = config
         self.executor = executor or Executor.create(config)
         try:
@@ -81,6 +87,7 @@ class EngineCore:
         # Grammars of structured-output requests (xgrammar loads on the first such request).
         self.structured_output_manager = StructuredOutputManager(config, self.info.vocab_size)
         self.apply_input = apply_input
+        self.announce = announce  # sends "started" outputs ahead of a step (see the invariants)
         self._outbox: dict[ClientIndex, list[EngineCoreOutput]] = {}  # what the next step() returns
         # Set once the core drains to shut down: every new request is refused with this text.
         self._refusing: str | None = None
@@ -106,6 +113,7 @@ class EngineCore:
         elif (problem := self._check(req, client_index)) is not None:
             kind = ErrorKind.INVALID
         if problem is None:
+            request: Request | None = None
             try:
                 request = Request.from_engine_core_request(req, self.info.max_model_len, client_index)
                 request.request_id = internal_id(req.request_id, client_index)
@@ -116,6 +124,8 @@ class EngineCore:
             except Exception as e:  # a request that breaks the scheduler fails alone
                 logger.exception("add_request(%r) failed", req.request_id)
                 problem = summarize_exception(e)
+                if request is not None:  # its compile, if one started, is not waited for
+                    self.structured_output_manager.release([request])
         self._emit(client_index, EngineCoreOutput(req.request_id, finish_reason=FinishReason.ERROR, error=problem,
                                                   error_kind=kind))
 
@@ -124,7 +134,9 @@ class EngineCore:
         if self._refusing is not None:
             return self._refusing
         limit = self.config.max_waiting_requests
-        if limit is not None and (waiting := len(self.scheduler.waiting)) >= limit:
+        # Requests held back for their grammar are not waiting for a seat: they do not count.
+        waiting = len(self.scheduler.waiting) - self.structured_output_manager.num_waiting_for_grammar()
+        if limit is not None and waiting >= limit:
             return (f"engine overloaded: {waiting} requests waiting (max_waiting_requests={limit}); "
                     "retry later")
         return None
@@ -150,7 +162,9 @@ class EngineCore:
         """Abort those of `request_ids` that `client_index` sent and that are still running;
         each gets one finished ABORT output. Other ids are ignored."""
         mine = [internal_id(rid, client_index) for rid in request_ids]  # nobody else's by construction
-        for r in self.scheduler.finish_requests(mine, RequestStatus.FINISHED_ABORTED):
+        ended = self.scheduler.finish_requests(mine, RequestStatus.FINISHED_ABORTED)
+        self.structured_output_manager.release(ended)  # stops a compile nobody waits for any more
+        for r in ended:
             self._emit(r.client_index, EngineCoreOutput(
                 external_id(r.request_id, r.client_index), finish_reason=FinishReason.ABORT,
                 num_cached_tokens=max(r.num_cached_tokens, 0)))
@@ -159,7 +173,7 @@ class EngineCore:
         """A front-end is gone: end its requests and free their KV, without outputs (nobody
         would read them). Returns how many requests it had."""
         mine = [rid for rid, r in self.scheduler.requests.items() if r.client_index == client_index]
-        self.scheduler.finish_requests(mine, RequestStatus.FINISHED_ABORTED)
+        self.structured_output_manager.release(self.scheduler.finish_requests(mine, RequestStatus.FINISHED_ABORTED))
         self._outbox.pop(client_index, None)
         return len(mine)
 
@@ -199,6 +213,8 @@ class EngineCore:
                 som.wait_for_grammars(_GRAMMAR_POLL_S)
             return
         self._step_in_flight = scheduler_output
+        if self.announce is not None and scheduler_output.scheduled_new_reqs:
+            self._announce_started(scheduler_output)
         grammar_failures = som.fill_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         self.forward_time_s += runner_output.forward_time_s
@@ -207,13 +223,33 @@ class EngineCore:
         if grammar_failures:
             self._fail_grammars(grammar_failures)  # ended before the update, which drops their tokens
         if runner_output.failed_req_ids:
-            self._fail_requests(runner_output.failed_req_ids)
+            self._fail_requests(runner_output.failed_req_ids, runner_output.invalid_req_ids)
         for client, outs in self.scheduler.update_from_output(scheduler_output, runner_output).items():
             if client is not None:
                 for out in outs:
                     out.request_id = external_id(out.request_id, client)
             self._outbox.setdefault(client, []).extend(outs)
         self._step_in_flight = None
+
+    def _announce_started(self, scheduler_output: SchedulerOutput) -> None:
+        """Tell each front-end which of its requests this step runs for the first time on this
+        core (a preempted request readmitted was announced already). The output carries the
+        request's recorded events (its QUEUED and SCHEDULED stamps, with stats on) or a SCHEDULED
+        stamp of its own, so stats see each event once."""
+        started: dict[ClientIndex, list[EngineCoreOutput]] = {}
+        now = time.monotonic()
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self.scheduler.requests.get(new.req_id)
+            if request is None or request.announced:
+                continue
+            request.announced = True
+            events = request.take_events() or [(int(EngineCoreEventType.SCHEDULED), now)]
+            started.setdefault(request.client_index, []).append(EngineCoreOutput(
+                external_id(request.request_id, request.client_index), events=events))
+        if started:  # a core message like any other: with stats on, it carries the scheduler's
+            stats = None if self.config.disable_log_stats else self.scheduler.make_stats()
+            self.announce({client: EngineCoreOutputs(outputs=outs, scheduler_stats=stats, timestamp=now)
+                           for client, outs in started.items()})
 
     def failed_step_request_ids(self) -> dict[ClientIndex, list[str]] | None:
         """After `step()` raised: the requests that were in the step that failed, by front-end,
@@ -229,25 +265,29 @@ class EngineCore:
             by_client.setdefault(client, []).append(external_id(rid, client))
         return by_client
 
-    def _fail_grammars(self, failures: list[tuple[Request, str]]) -> None:
-        """Requests whose grammar could not be compiled: each ends alone with an ERROR output."""
-        for request, error in failures:
+    def _fail_grammars(self, failures: list[GrammarFailure]) -> None:
+        """Requests whose grammar could not be compiled (or matched): each ends alone with an
+        ERROR output, INVALID (HTTP 400) when its own spec explains it."""
+        for request, error, invalid in failures:
             for r in self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
                 rid = external_id(r.request_id, r.client_index)
                 logger.warning("request %r failed: %s", rid, error)
+                kind = ErrorKind.INVALID if invalid else ErrorKind.REQUEST
                 self._emit(r.client_index, EngineCoreOutput(rid, finish_reason=FinishReason.ERROR,
-                                                            error=f"structured outputs: {error}",
-                                                            error_kind=ErrorKind.INVALID))
+                                                            error=f"structured outputs: {error}", error_kind=kind))
 
-    def _fail_requests(self, failures: dict[str, str]) -> None:
+    def _fail_requests(self, failures: dict[str, str], invalid: list[str]) -> None:
         """Requests the runner could not sample (it found each culprit by retrying rows apart):
         each ends alone with an ERROR output, and is freed before `update_from_output` runs,
-        which then skips it. One aborted meanwhile keeps its ABORT output (its one finish)."""
+        which then skips it. One aborted meanwhile keeps its ABORT output (its one finish).
+        `invalid`: those whose own settings explain it (ErrorKind.INVALID)."""
         for r in self.scheduler.finish_requests(list(failures), RequestStatus.FINISHED_ERROR):
             error = failures[r.request_id]
             rid = external_id(r.request_id, r.client_index)
             logger.error("request %r failed in the step and was ended alone: %s", rid, error)
-            self._emit(r.client_index, EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=error))
+            kind = ErrorKind.INVALID if r.request_id in invalid else ErrorKind.REQUEST
+            self._emit(r.client_index, EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=error,
+                                                        error_kind=kind))
 
     # ------------------------------------------------------------------ utility
     def call_utility(self, method: str, args: list[Any]) -> Any:

@@ -118,6 +118,9 @@ class Request:
         # Suspected of a crash: runs only in a step of its own until its first token (see
         # core/quarantine.py); the scheduler lifts it then.
         self.quarantined: bool = False
+        # The front-end was told this core started it (EngineCore announces each request once,
+        # before the forward pass of its first step): its crash rule blames only requests that ran.
+        self.announced: bool = False
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int,

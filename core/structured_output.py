@@ -3,19 +3,27 @@ matcher per request, and the packed token bitmask of each step (vLLM V1's
 StructuredOutputManager with its xgrammar backend).
 
 A constrained request's life:
-1. `EngineCore.add_request` -> `grammar_init`: its grammar's compile is queued in a thread pool
-   (compiled grammars are cached by `StructuredOutputsParams.key()`), and the request enters
-   the scheduler as WAITING_FOR_GRAMMAR, which the scheduler passes over: a slow schema never
-   stalls the other requests' steps.
+1. `EngineCore.add_request` -> `grammar_init`: its grammar's compile is queued in the compile
+   pool (core/grammar_compile.py: child processes, so a compile can be stopped; compiles are
+   cached by their effective options, `grammar_key`), and the request enters the scheduler as
+   WAITING_FOR_GRAMMAR, which the scheduler passes over: a slow schema never stalls the other
+   requests' steps, and these requests do not count as waiting for admission control.
 2. Before each schedule, `update_grammars`: a request whose compile finished gets its matcher
    (advanced through any output tokens it already has: a request resumed after a core restart)
-   and becomes WAITING; a failed one is returned, for the engine to end it alone with an error.
+   and becomes WAITING; a failed one (invalid spec, past grammar_compile_timeout_s, a child
+   that died) is returned, for the engine to end it alone with an error.
 3. After the schedule, `fill_bitmask`: one bitmask row per constrained request that samples
    this step, shipped in the SchedulerOutput; the worker masks those rows' logits.
 4. The scheduler advances the matcher with each token it keeps (`accept_token`); a matcher that
    reaches its end finishes the request with finish_reason "stop".
+5. A request ended from outside (abort, a gone front-end) is `release`d: a compile that no
+   other waiting request shares is cancelled (its child killed), so it burns no more CPU.
 
-Only compiling runs in the pool; matchers are touched by the busy-loop thread alone. Tokens of a
+JSON grammars bound the whitespace between two tokens (`max_whitespace_cnt`: the request's,
+else the engine's structured_outputs_config, 20 by default): without a bound a model whose
+vocabulary has long whitespace tokens can emit whitespace until max_tokens.
+
+Only compiling runs off the busy-loop thread; matchers are touched by it alone. Tokens of a
 step that an abort raced are never accepted (the scheduler drops them before its update), and a
 preempted request keeps its output tokens, so its matcher state stays right through recompute.
 xgrammar (which imports torch) and the tokenizer are loaded on the first constrained request.
@@ -25,12 +33,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
-import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from tidal.core.grammar_compile import (
+    CompileJob,
+    CompilePool,
+    CompileTask,
+    InvalidGrammarError,
+    WorkerInit,
+    max_compile_threads,
+)
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.structured_outputs import StructuredOutputsParams
 from tidal.protocol.utils import summarize_exception
@@ -40,12 +55,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GrammarKey = tuple[str, str, bool, bool]
-# Compiles (futures) kept for reuse, oldest dropped first: mostly to share one compile among
-# requests that arrive together (n > 1, a batch); xgrammar's compiler keeps its own cache too,
-# bounded in bytes.
+# (kind, spec text, any_whitespace, max_whitespace_cnt): what a compiled grammar depends on.
+GrammarKey = tuple[str, str, bool, "int | None"]
+# Compiles (jobs) kept for reuse, oldest dropped first: mostly to share one compile among
+# requests that arrive together (n > 1, a batch); each compile child's xgrammar compiler keeps
+# its own cache too, bounded in bytes.
 _MAX_CACHED_GRAMMARS = 64
-_XGRAMMAR_CACHE_BYTES = 512 << 20  # vLLM's default (VLLM_XGRAMMAR_CACHE_MB=512)
+
+
+class GrammarFailure(NamedTuple):
+    """A request that cannot go on for its grammar, for the engine to end alone: `invalid`
+    when the request's own spec explains it (it does not compile, or not within the time
+    limit; HTTP 400), else the engine's failure (a compile process that died, a mask error)."""
+
+    request: "Request"
+    error: str
+    invalid: bool
 
 
 class GrammarConflictError(ValueError):
@@ -56,10 +81,14 @@ class GrammarConflictError(ValueError):
 class StructuredOutputRequest:
     """One request's grammar: the compile's future, then its matcher (busy-loop thread only)."""
 
-    def __init__(self, params: StructuredOutputsParams, future: "cf.Future[Any]") -> None:
+    def __init__(self, params: StructuredOutputsParams, job: CompileJob) -> None:
         self.params = params
-        self.future = future
+        self.job = job
         self.matcher: Any = None  # xgrammar.GrammarMatcher once the grammar is ready
+
+    @property
+    def future(self) -> "cf.Future[Any]":
+        return self.job.future
 
     @property
     def ready(self) -> bool:
@@ -84,36 +113,60 @@ class StructuredOutputManager:
         self.config = config
         self.vocab_size = vocab_size  # the model's (the logits' width), maybe past the tokenizer's
         self.bitmask_width = (vocab_size + 31) // 32
-        self._executor: cf.ThreadPoolExecutor | None = None
-        self._compiler: Any = None  # xgrammar.GrammarCompiler, built in the pool on first use
-        self._compiler_lock = threading.Lock()
-        self._cache: dict[GrammarKey, cf.Future[Any]] = {}
-        self._pending: dict[str, Request] = {}  # compiling (WAITING_FOR_GRAMMAR)
+        self._pool: CompilePool | None = None  # started on the first constrained request
+        self._tokenizer_info: Any = None  # xgrammar.TokenizerInfo, loaded on a pool thread
+        self._tokenizer_error: str | None = None  # why the tokenizer did not load, once it did not
+        self._tokenizer_lock = threading.Lock()
+        self._cache: dict[GrammarKey, CompileJob] = {}
+        # Compiling (WAITING_FOR_GRAMMAR), until readied, failed or released; and how many of
+        # them wait for each job (a job none waits for any more is cancelled).
+        self._pending: dict[str, Request] = {}
+        self._waiters: dict[CompileJob, int] = {}
         self._active: dict[str, Request] = {}  # with a matcher, until they finish
 
     # ------------------------------------------------------------------ compile
+    def grammar_key(self, params: StructuredOutputsParams) -> GrammarKey:
+        """The request's constraint with the engine's settings merged in (disable_any_whitespace
+        if either sets it; the request's max_whitespace_cnt, else the engine's)."""
+        kind, text, disable_ws, max_ws = params.key()
+        engine = self.config.structured_outputs_config
+        if kind not in ("json", "json_object"):
+            return kind, text, True, None  # whitespace options only shape JSON grammars
+        any_ws = not (disable_ws or engine.disable_any_whitespace)
+        bound = (max_ws if max_ws is not None else engine.max_whitespace_cnt) if any_ws else None
+        return kind, text, any_ws, bound
+
     def grammar_init(self, request: Request) -> None:
         """Queue the compile of `request`'s grammar (a cached one is reused) and attach its
         state; the scheduler holds the request back until `update_grammars` readies it."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        key = params.key()
-        future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None):
-            if self._executor is None:
-                # One thread: compiles queue behind each other, and xgrammar's own compiler
-                # threads do the parallel work; the busy loop keeps a core of its own.
-                self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="tidal-grammar")
-            future = self._executor.submit(self._compile, params)
+        key = self.grammar_key(params)
+        job = self._cache.get(key)
+        if job is None or job.future.cancelled() or (job.future.done() and job.future.exception() is not None):
+            job = self._submit(key)
             if len(self._cache) >= _MAX_CACHED_GRAMMARS:
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = future
-        request.structured_output_request = StructuredOutputRequest(params, future)
+            self._cache[key] = job
+        request.structured_output_request = StructuredOutputRequest(params, job)
         self._pending[request.request_id] = request
+        self._waiters[job] = self._waiters.get(job, 0) + 1
 
-    def _get_compiler(self) -> Any:
-        with self._compiler_lock:
-            if self._compiler is None:
+    def _submit(self, key: GrammarKey) -> CompileJob:
+        kind, text, any_ws, bound = key
+        if self._pool is None:
+            self._pool = CompilePool(self._worker_init, self._deserialize)
+        if kind == "choice":  # compiled as the EBNF of its choices
+            kind, text = "grammar", choice_as_grammar(json.loads(text))
+        task = CompileTask(kind, text, any_whitespace=any_ws, max_whitespace_cnt=bound)
+        return self._pool.submit(task, self.config.grammar_compile_timeout_s)
+
+    def _get_tokenizer_info(self) -> Any:
+        """The model's vocabulary as xgrammar sees it (pool threads; loads the tokenizer once)."""
+        with self._tokenizer_lock:
+            if self._tokenizer_error is not None:  # tried once: each request is not to pay again
+                raise ValueError(self._tokenizer_error)
+            if self._tokenizer_info is None:
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
 
@@ -123,71 +176,91 @@ class StructuredOutputManager:
                         cfg.tokenizer_path, trust_remote_code=cfg.trust_remote_code,
                         revision=cfg.tokenizer_revision, use_fast=cfg.tokenizer_mode != "slow")
                 except Exception as e:
-                    raise ValueError(f"structured outputs need the model's tokenizer, which could not be "
-                                     f"loaded from {cfg.tokenizer_path!r}: {summarize_exception(e)}") from None
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)),
-                                                     cache_limit_bytes=_XGRAMMAR_CACHE_BYTES)
-            return self._compiler
+                    self._tokenizer_error = (f"structured outputs need the model's tokenizer, which could not be "
+                                             f"loaded from {cfg.tokenizer_path!r}: {summarize_exception(e)}")
+                    raise ValueError(self._tokenizer_error) from None
+                self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            return self._tokenizer_info
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar (pool thread); ValueError naming what is wrong with the spec."""
-        compiler = self._get_compiler()
-        kind = params.kind
-        try:
-            if kind == "json":
-                return compiler.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}',
-                                                    any_whitespace=not params.disable_any_whitespace)
-            if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_as_grammar(params.choice or []))
-            if kind == "grammar":
-                return compiler.compile_grammar(params.grammar)
-            return self._compile_structural_tag(compiler, params.structural_tag or "")
-        except Exception as e:
-            raise ValueError(f"invalid structured_outputs.{kind}: {_xgrammar_message(e)}") from None
+    def _worker_init(self) -> WorkerInit:
+        return WorkerInit(self._get_tokenizer_info().serialize_json(), max_compile_threads())
 
-    @staticmethod
-    def _compile_structural_tag(compiler: Any, spec: str) -> Any:
+    def _deserialize(self, grammar_json: str) -> Any:
         import xgrammar as xgr
 
-        tag = json.loads(spec)
-        if "structures" in tag:  # vLLM's original format: begin/schema/end items and triggers
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in tag["structures"]]
-            return compiler.compile_structural_tag(items, tag["triggers"])
-        return compiler.compile_structural_tag(spec)
+        return xgr.CompiledGrammar.deserialize_json(grammar_json, self._get_tokenizer_info())
+
+    def release(self, requests: list[Request]) -> None:
+        """Forget requests ended from outside (aborted, their front-end gone, failed). A compile
+        no other waiting request shares is cancelled and dropped from the cache: a queued one
+        never starts, a running one has its process killed now."""
+        for request in requests:
+            self._active.pop(request.request_id, None)
+            if self._pending.pop(request.request_id, None) is not None:
+                self._unwait(request)
+
+    def _unwait(self, request: Request) -> None:
+        so = request.structured_output_request
+        if so is None:
+            return
+        job = so.job
+        left = self._waiters.get(job, 0) - 1
+        if left > 0:
+            self._waiters[job] = left
+            return
+        self._waiters.pop(job, None)
+        if not job.future.done() and self._pool is not None:
+            self._pool.cancel(job)
+            for key, cached in list(self._cache.items()):
+                if cached is job:
+                    del self._cache[key]
+
+    def num_waiting_for_grammar(self) -> int:
+        """Requests held back for their grammar (not counted by admission control)."""
+        return len(self._pending)
 
     # ------------------------------------------------------------------ per step
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def update_grammars(self) -> list[tuple[Request, str]]:
+    def update_grammars(self) -> list[GrammarFailure]:
         """Ready the requests whose compile finished (status WAITING); returns those that
         cannot run, each with the reason, for the caller to end. Finished ones are dropped."""
         from tidal.core.request import RequestStatus
 
-        failed: list[tuple[Request, str]] = []
+        failed: list[GrammarFailure] = []
         for rid, request in list(self._pending.items()):
             so = request.structured_output_request
-            if request.is_finished():
+            if request.is_finished():  # ended without `release` (defensive)
                 del self._pending[rid]
+                self._unwait(request)
                 continue
             if so is None or not so.future.done():
                 continue
             del self._pending[rid]
+            self._unwait(request)
             try:
                 so.matcher = self._new_matcher(request, so.future.result())
+            except cf.CancelledError:
+                failed.append(GrammarFailure(request, "its grammar's compile was cancelled", False))
+                continue
             except Exception as e:
-                failed.append((request, str(e) if isinstance(e, ValueError) else summarize_exception(e)))
+                # ValueError: the spec (invalid, too slow), or output that does not match it.
+                failed.append(GrammarFailure(request, self._compile_error(so.params, e), isinstance(e, ValueError)))
                 continue
             self._active[rid] = request
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 request.status = RequestStatus.WAITING
         return failed
+
+    @staticmethod
+    def _compile_error(params: StructuredOutputsParams, e: Exception) -> str:
+        """The text a failed compile ends its request with."""
+        if isinstance(e, InvalidGrammarError):  # xgrammar's words about the spec
+            return f"invalid structured_outputs.{params.kind}: {e}"
+        if isinstance(e, ValueError):  # past the time limit; no tokenizer: already worded
+            return str(e)
+        return summarize_exception(e)
 
     def _new_matcher(self, request: Request, compiled: Any) -> Any:
         import xgrammar as xgr
@@ -211,7 +284,7 @@ class StructuredOutputManager:
         if futures:
             cf.wait(futures, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
 
-    def fill_bitmask(self, scheduler_output: Any) -> list[tuple[Request, str]]:
+    def fill_bitmask(self, scheduler_output: Any) -> list[GrammarFailure]:
         """Set `scheduler_output.structured_output_request_ids` / `grammar_bitmask` for the
         constrained requests that sample in this step. Costs nothing when none is active.
         Returns the requests whose matcher failed, with the reason, for the caller to end (the
@@ -221,7 +294,7 @@ class StructuredOutputManager:
         scheduled = scheduler_output.num_scheduled_tokens
         matchers: list[Any] = []
         ids: list[str] = []
-        failed: list[tuple[Request, str]] = []
+        failed: list[GrammarFailure] = []
         for rid, request in list(self._active.items()):
             if request.is_finished():
                 del self._active[rid]
@@ -242,28 +315,17 @@ class StructuredOutputManager:
                 matcher.fill_next_token_bitmask(bitmask, row)
             except Exception as e:
                 bitmask[row] = -1  # all allowed; the request is ended before its token counts
-                failed.append((self._active.pop(ids[row]), f"filling the token bitmask failed: "
-                                                           f"{summarize_exception(e)}"))
+                failed.append(GrammarFailure(self._active.pop(ids[row]), f"filling the token bitmask failed: "
+                                                                         f"{summarize_exception(e)}", False))
         scheduler_output.structured_output_request_ids = ids
         scheduler_output.grammar_bitmask = bitmask
         return failed
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def choice_as_grammar(choices: list[str]) -> str:
     """EBNF whose only sentences are `choices` (JSON string literals are EBNF literals)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def _xgrammar_message(e: Exception) -> str:
-    """xgrammar's error text without its '[time] file.cc:line:' prefix."""
-    text = str(e).strip()
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-        head, sep, rest = text.partition(": ")
-        if sep and (".cc:" in head or ".h:" in head):
-            text = rest
-    return text.splitlines()[0] if text else type(e).__name__

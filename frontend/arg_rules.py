@@ -13,6 +13,7 @@ import logging
 from dataclasses import MISSING, Field, fields
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+from tidal.protocol.config import StructuredOutputsConfig
 from tidal.protocol.utils import cuda_graph_capture_sizes
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ RULES: dict[str, Rule] = {
     "enable_chunked_prefill": Implemented("enable_chunked_prefill"),
     "disable_chunked_mm_input": NoOp("tidal has no multimodal inputs to chunk"),
     "disable_hybrid_kv_cache_manager": NoOp("tidal's models have one kind of attention layer, so one KV cache"),
-    "structured_outputs_config": NoOp("tidal's structured outputs always use xgrammar with its defaults"),
+    "structured_outputs_config": Implemented(None),  # config_kwargs: a StructuredOutputsConfig
     "reasoning_parser": Refused("reasoning parsers"),
     "reasoning_parser_plugin": Refused("reasoning parsers"),
     "logits_processor_pattern": NoOp("tidal takes no custom logits processors by name"),
@@ -237,6 +238,7 @@ RULES: dict[str, Rule] = {
     "max_waiting_requests": Implemented("max_waiting_requests"),
     "model_runner": Implemented("model_runner"),
     "num_kv_blocks": Implemented(None),  # tidal's older name of num_gpu_blocks_override
+    "grammar_compile_timeout_s": Implemented("grammar_compile_timeout_s"),
 }
 
 _EMPTY = (None, {}, [], ())
@@ -308,6 +310,9 @@ def config_kwargs(args: "EngineArgs") -> dict[str, Any]:
     out["dtype"] = dtype_name(args.dtype)
     if args.tokens_only:
         out["skip_tokenizer_init"] = True
+    # A dict (vLLM's, the CLI's JSON) or a StructuredOutputsConfig; ValueError for unknown keys,
+    # a backend other than xgrammar, reasoning parsers.
+    out["structured_outputs_config"] = StructuredOutputsConfig.from_value(args.structured_outputs_config)
     if args.num_kv_blocks is not None:
         if args.num_gpu_blocks_override not in (None, args.num_kv_blocks):
             raise ValueError(f"num_kv_blocks={args.num_kv_blocks} and num_gpu_blocks_override="

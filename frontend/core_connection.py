@@ -62,6 +62,10 @@ class MPClientBase:
         self.failed_step_request_ids: list[str] | None = None
         self.num_restarts = 0
         self.resumable = False  # the front-end resubmits its requests after a restart (it sets this)
+        # Set when the application began to shut down (tidal serve, at its SIGTERM/SIGINT), before
+        # it stops the core: a core that goes from then on is part of that shutdown, never a
+        # crash to restart in the middle of it.
+        self.shutting_down = False
         self._reconnecting = threading.Lock()  # shutdown() waits for a reconnect() in flight
         self._restart_times: collections.deque[float] = collections.deque()
         self.info: ResolvedEngineInfo | None = None
@@ -165,7 +169,7 @@ class MPClientBase:
         failed_step_request_ids: what the engine_dead message said (None: unknown)."""
         if self.dead is not None or self._closed or self.lost is not None:
             return
-        if restartable and self._restart_allowed():
+        if restartable and not self.shutting_down and self._restart_allowed():
             self.failed_step_request_ids = failed_step_request_ids
             self.lost = reason
             logger.error("engine core lost: %s; restarting it and resuming its requests "

@@ -20,7 +20,7 @@ import zmq
 
 from tidal.frontend.priority import popen
 from tidal.protocol.config import EngineConfig
-from tidal.protocol.process import stop_process
+from tidal.protocol.process import group_signals_blocked, stop_process
 from tidal.protocol.utils import compute_process_env
 from tidal.protocol.zmq_utils import IpcDir
 
@@ -34,10 +34,13 @@ def _stop_process(proc: subprocess.Popen, ipc_dir: IpcDir, grace_s: float, stopp
     """SIGTERM (the core tells its front-ends and stops its workers), SIGKILL after grace_s.
     `stopping` is set first: the watcher then knows the core's end is no death to report."""
     stopping.set()
+    alive = proc.poll() is None  # else it ended by itself, and whatever that was got reported
     try:
-        stop_process(proc, grace_s)
+        code = stop_process(proc, grace_s)
     finally:
         ipc_dir.cleanup()
+    if alive and code != 0:  # a core stopped by its front-end shuts down cleanly: exit code 0
+        logger.warning("the engine core (pid %d) exited with code %s when stopped", proc.pid, code)
 
 
 class CoreProcess:
@@ -60,8 +63,11 @@ class CoreProcess:
             "--cleanup-dir", self.ipc_dir.path,
         ]
         try:
-            # At the process's own priority even when the server's loop runs nicer (priority.py).
-            self.proc = popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
+            # At the process's own priority even when the server's loop runs nicer (priority.py),
+            # and with the process group's SIGTERM/SIGINT blocked from its first instruction:
+            # the core tells its front-end's signals from the group's (core/core_proc.py).
+            with group_signals_blocked():
+                self.proc = popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
         except BaseException:
             self.ipc_dir.cleanup()
             raise

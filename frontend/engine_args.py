@@ -166,6 +166,9 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = None
     disable_chunked_mm_input: bool = False
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's StructuredOutputsConfig as a dict (CLI: JSON), or a tidal.protocol.config
+    # StructuredOutputsConfig: backend (auto | xgrammar), disable_any_whitespace, and tidal's
+    # max_whitespace_cnt (the most whitespace between two JSON tokens; default 20, None: no bound).
     structured_outputs_config: dict[str, Any] = _d()
     reasoning_parser: str = ""
     reasoning_parser_plugin: str | None = None
@@ -218,6 +221,10 @@ class EngineArgs:
     max_waiting_requests: int | None = None  # over it, new requests fail ("engine overloaded")
     model_runner: str = "torch"  # torch | null (no model: one token per request per step)
     num_kv_blocks: int | None = None  # tidal's older name of num_gpu_blocks_override
+    # A structured-output grammar (JSON schema, regex, EBNF, ...) whose compile takes longer than
+    # this many seconds fails its request alone with an error naming this limit; the compile
+    # process is stopped and the engine serves on (vLLM has no such limit).
+    grammar_compile_timeout_s: float = 30.0
 
     # ------------------------------------------------------------------ config
     def create_engine_config(self, usage_context: Any = None, headless: bool = False) -> EngineConfig:

@@ -192,13 +192,19 @@ def load_tokenizer(config: EngineConfig) -> Any:
         raise ValueError(f"no tokenizer files in {path!r}; pass tokenizer=... to name another directory")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings from the Rust pool
 
-    def load_full() -> Any:
-        from transformers import AutoTokenizer  # ~1.5 s of imports, torch among them
+    loaded: list[Any] = []
 
-        # As vLLM: the tokenizer's revision defaults to the model's.
-        revision = config.tokenizer_revision or config.revision
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code, revision=revision,
-                                             use_fast=config.tokenizer_mode != "slow")
+    def load_full() -> Any:
+        """transformers' tokenizer, loaded at most once (the lean tokenizer's verdict may have
+        loaded it already when the lean path is then refused)."""
+        if not loaded:
+            from transformers import AutoTokenizer  # ~1.5 s of imports, torch among them
+
+            # As vLLM: the tokenizer's revision defaults to the model's.
+            revision = config.tokenizer_revision or config.revision
+            loaded.append(AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code,
+                                                        revision=revision, use_fast=config.tokenizer_mode != "slow"))
+        return loaded[0]
 
     if config.tokenizer_mode != "slow" and os.path.isdir(path) and not envs.TIDAL_FULL_TOKENIZER:
         from tidal.frontend.tokenizer import load_lean_tokenizer

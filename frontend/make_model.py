@@ -55,8 +55,9 @@ def default_model_dir() -> str:
     return os.path.join(envs.TIDAL_CACHE_DIR, "default-model")
 
 
-def _training_corpus() -> list[str]:
-    """The first ~2 MB of the sorted top-level stdlib modules: deterministic per Python build."""
+def training_corpus(max_chars: int = _CORPUS_BYTES) -> list[str]:
+    """The first ~`max_chars` characters of the sorted top-level stdlib modules, file by file:
+    deterministic per Python build (also the tests' code corpus)."""
     stdlib = os.path.dirname(os.__file__)
     texts: list[str] = []
     total = 0
@@ -66,7 +67,7 @@ def _training_corpus() -> list[str]:
         with open(os.path.join(stdlib, name), encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
         total += len(texts[-1])
-        if total >= _CORPUS_BYTES:
+        if total >= max_chars:
             break
     return texts
 
@@ -92,7 +93,7 @@ def train_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text round-trips
         show_progress=False,
     )
-    tok.train_from_iterator(_training_corpus(), trainer)
+    tok.train_from_iterator(training_corpus(), trainer)
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     tok.save(tmp)

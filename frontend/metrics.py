@@ -26,7 +26,9 @@ front-ends reports its whole state to each; these counters count from the core's
 """
 from __future__ import annotations
 
+import asyncio
 import bisect
+import copy
 import logging
 import time
 from collections.abc import Sequence
@@ -321,7 +323,10 @@ class EngineMetrics:
         self.prometheus.record(scheduler_stats, iteration_stats)
         self.logging.record(scheduler_stats, iteration_stats)
         for stat_logger in self.user_loggers:
-            self._call_user_logger(stat_logger, "record", scheduler_stats, iteration_stats)
+            # Each user logger gets copies: one that edits its stats (or keeps and edits them
+            # later) cannot change what the built-in loggers hold, or what another logger sees.
+            self._call_user_logger(stat_logger, "record", copy.deepcopy(scheduler_stats),
+                                   copy.deepcopy(iteration_stats))
 
     def record_core_restart(self) -> None:
         self.prometheus.counter_core_restarts.inc()
@@ -337,10 +342,12 @@ class EngineMetrics:
     def _call_user_logger(self, stat_logger: StatLoggerBase, method: str, *args: Any) -> None:
         """A user's stat logger that raises loses that call, never the engine: these calls run
         in the front-end's output handler (LLM's step loop), where an exception would end every
-        stream. Its first failure is logged with the traceback; it is still called after."""
+        stream. Its first failure is logged with the traceback; it is still called after.
+        A CancelledError raised inside this synchronous call is the logger's own (a real
+        cancellation of the output handler arrives at an await, never in here): caught too."""
         try:
             getattr(stat_logger, method)(*args)
-        except Exception:
+        except (Exception, asyncio.CancelledError):
             if id(stat_logger) not in self._failed:
                 self._failed.add(id(stat_logger))
                 logger.exception("stat logger %s failed in %s() (its later failures are not logged)",

@@ -171,8 +171,10 @@ class OutputProcessor:
           coincidence: a fault from outside that struck during its step; every suspect of a big
           batch runs such a solo step, and it goes first on the next core). A request that
           crashes the engine whenever it runs thus fails after three crashes.
-        - Unknown step (the old rule): the requests without progress are the suspects; one that
-          was a suspect of two crashes in a row is given up.
+        - Unknown step: the requests that the lost core started (it announces each one before
+          its first step) and that made no progress are the suspects; one that was a suspect
+          of two crashes in a row is given up. A request still queued at a crash never ran:
+          it is not blamed (nor cleared: its streak stands).
         Given up: an ERROR output, "request was in flight during repeated engine failures".
         Struck requests (a crash while alone) are resent first, so that they run first."""
         self._awaiting_final.clear()  # the old core's final outputs will never come
@@ -184,7 +186,8 @@ class OutputProcessor:
                 state.suspect_streak = state.solo_crashes = 0
                 state.quarantined = False
             if failed is None:
-                state.suspect_streak = 0 if len(state.generated) > state.progress_mark else state.suspect_streak + 1
+                if state.started and len(state.generated) == state.progress_mark:
+                    state.suspect_streak += 1
                 guilty = state.suspect_streak >= 2
             elif state.request_id in failed:
                 state.suspect_streak += 1
@@ -199,7 +202,7 @@ class OutputProcessor:
                 give_up.append(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ERROR,
                                                 error="request was in flight during repeated engine failures"))
                 continue
-            state.progress_mark = len(state.generated)
+            state.progress_mark, state.started = len(state.generated), False
             resend.append(msgspec.structs.replace(
                 state.core_request, resumed_output_token_ids=list(state.generated),
                 num_prompt_logprobs_sent=state.num_prompt_lp_rows, quarantined=state.quarantined))

@@ -28,7 +28,7 @@ class RequestState:
     __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
                  "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
                  "text", "text_parts", "token_ids", "core_request", "generated", "num_prompt_lp_rows",
-                 "progress_mark", "suspect_streak", "solo_crashes", "quarantined", "sent_tokens", "held")
+                 "progress_mark", "suspect_streak", "solo_crashes", "quarantined", "started", "sent_tokens", "held")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
                  index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
@@ -50,8 +50,9 @@ class RequestState:
         # For a resubmission after a core restart (OutputProcessor.resume_after_crash): what
         # was sent, every token the core generated so far, the prompt-logprob rows received,
         # len(generated) when it was last sent, the crashes in a row it was a suspect of
-        # without progress, the crashes while it ran alone (quarantined) without progress, and
-        # whether it goes back quarantined.
+        # without progress, the crashes while it ran alone (quarantined) without progress,
+        # whether it goes back quarantined, and whether the current core started it (any output
+        # of it came: the core announces each request as its first step begins).
         self.core_request = request
         # CUMULATIVE and FINAL_ONLY keep every output id anyway: one list serves both.
         self.generated: list[int] = self.token_ids if self._keeps_token_ids else []
@@ -60,6 +61,7 @@ class RequestState:
         self.suspect_streak = 0
         self.solo_crashes = 0
         self.quarantined = False
+        self.started = False
         # stream_interval: len(generated) when an output last went out, and a DELTA output held
         # back since (its text, ids and logprobs go out with the next one).
         self.sent_tokens = 0
@@ -70,6 +72,7 @@ class RequestState:
         stats are on); returns the completion to emit, if any. A finished completion for an
         output the core did not finish was ended by a stop string, here."""
         new_ids, finish = out.new_token_ids, out.finish_reason
+        self.started = True
         if new_ids and not self._keeps_token_ids:
             self.generated.extend(new_ids)
         if out.new_prompt_logprobs is not None:

@@ -8,23 +8,26 @@ the front-end uses on its hot paths itself: encode, decode, the special tokens, 
 Anything else (chat templates, batch encoding, a user's call on `llm.get_tokenizer()`) goes to
 the real transformers tokenizer, loaded on first use, so nothing a user could call is missing.
 
-`load_lean_tokenizer` returns None whenever the directory holds something this class does not
-reproduce exactly (another tokenizer class, special tokens outside tokenizer.json, truncation or
-padding, split_special_tokens, remote code); the caller then loads transformers' tokenizer.
-tests/test_startup.py checks the two against each other.
+Which Rust pipeline that is, is not read off the files: transformers' tokenizer class may rebuild
+parts of it (frontend/tokenizer_verdict.py). The first start on a directory loads transformers'
+tokenizer, records what it runs and caches that verdict; later starts build the same pipeline
+from the file plus the verdict's patch without importing transformers. `load_lean_tokenizer`
+returns None where the verdict refuses (a class with Python of its own, remote code, truncation,
+clean-up of decoded text); the caller then uses transformers' tokenizer.
+tests/test_tokenizer_parity.py and tests/test_startup.py check the two against each other.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
-# Tokenizer classes that transformers loads as a plain TokenizersBackend over tokenizer.json,
-# without model-specific changes to the pre-tokenizer or normalizer.
-_PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+from tidal.frontend.tokenizer_verdict import NAMED_SPECIAL, build_backend, judge, read_verdict, verdict_key, write_verdict
+
+logger = logging.getLogger(__name__)
 # Longer texts (characters) are tokenized in a worker thread, so the event loop keeps serving,
 # and by `encode_batch`, which releases the GIL while it works (`encode` holds it: a thread
 # encoding a 20 MB prompt with `encode` stalled every stream of the server for 35 s).
@@ -63,13 +66,6 @@ def check_prompt_chars(num_chars: int, limit: int, max_model_len: int) -> None:
                          f"truncate_prompt_tokens to keep its end")
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
@@ -78,37 +74,20 @@ def _read_json(path: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _chat_template(path: str, tok_cfg: dict[str, Any]) -> str | None:
-    """The default chat template as transformers 5 finds it: chat_template.jinja, then
-    chat_template.json, then tokenizer_config.json. A dict of named templates: "default"."""
-    jinja = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read()
-    template = _read_json(os.path.join(path, "chat_template.json")).get("chat_template",
-                                                                        tok_cfg.get("chat_template"))
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        return named.get("default")
-    return template if isinstance(template, str) else None
-
-
 class LeanTokenizer:
     """The front-end's view of a fast tokenizer; see the module docstring."""
 
     is_fast = True
 
-    def __init__(self, path: str, backend: Any, tok_cfg: dict[str, Any], specials: dict[str, str | None],
-                 chat_template: str | None, load_full: Callable[[], Any]) -> None:
+    def __init__(self, path: str, backend: Any, verdict: dict[str, Any], load_full: Callable[[], Any]) -> None:
         self._tokenizer = backend  # the name transformers uses: detokenizer.rust_backend finds it
         self.name_or_path = path
-        self.chat_template = chat_template
-        self.model_max_length = int(tok_cfg.get("model_max_length", int(1e30)))
-        self.clean_up_tokenization_spaces = bool(tok_cfg.get("clean_up_tokenization_spaces", False))
-        for name in _NAMED_SPECIAL:
-            setattr(self, name, specials.get(name))
-        extra = tok_cfg.get("additional_special_tokens") or tok_cfg.get("extra_special_tokens") or []
-        self.additional_special_tokens = [t for t in map(_token_text, extra) if t]
+        self.chat_template: str | None = verdict["chat_template"]
+        self.model_max_length = verdict["model_max_length"]
+        self.clean_up_tokenization_spaces: bool = verdict["clean_up_tokenization_spaces"]
+        for name in NAMED_SPECIAL:
+            setattr(self, name, verdict["specials"][name])
+        self._all_special_tokens: list[str] = list(verdict["all_special_tokens"])
         self._load_full = load_full
         self._full: Any = None
         self._full_lock = threading.Lock()
@@ -145,8 +124,7 @@ class LeanTokenizer:
 
     @property
     def all_special_tokens(self) -> list[str]:
-        named = [getattr(self, n) for n in _NAMED_SPECIAL]
-        return list(dict.fromkeys(t for t in [*named, *self.additional_special_tokens] if t))
+        return list(self._all_special_tokens)
 
     @property
     def all_special_ids(self) -> list[int]:
@@ -159,7 +137,7 @@ class LeanTokenizer:
         return rust_encode(self._tokenizer, text, add_special_tokens)
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
-        if kwargs or self.clean_up_tokenization_spaces:
+        if kwargs:  # clean_up_tokenization_spaces=...: transformers' job
             return self._full_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
         if isinstance(token_ids, int):
             token_ids = [token_ids]
@@ -193,7 +171,7 @@ class LeanTokenizer:
         return self._full_tokenizer()(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_full", "_full_lock", "_load_full", "_tokenizer"):
+        if name.startswith("__") or name in ("_full", "_full_lock", "_load_full", "_tokenizer", "_all_special_tokens"):
             raise AttributeError(name)  # copy/pickle probes, and a half-built instance
         return getattr(self._full_tokenizer(), name)
 
@@ -201,44 +179,38 @@ class LeanTokenizer:
         return f"LeanTokenizer(name_or_path={self.name_or_path!r}, vocab_size={len(self)})"
 
 
+def _cached(path: str, spec: dict[str, Any], key: str, load_full: Callable[[], Any]) -> LeanTokenizer | None:
+    verdict = read_verdict(key)
+    if verdict is None:
+        return None
+    try:
+        backend = build_backend(spec, verdict)
+    except Exception:  # a patch this tokenizers version cannot read: judged afresh
+        logger.warning("cached tokenizer verdict for %s does not load; comparing with transformers again", path)
+        return None
+    return LeanTokenizer(path, backend, verdict, load_full)
+
+
 def load_lean_tokenizer(path: str, load_full: Callable[[], Any]) -> LeanTokenizer | None:
     """A LeanTokenizer for the local directory `path`, or None where it would not behave
-    exactly as transformers' tokenizer (the caller then loads that one)."""
+    exactly as transformers' tokenizer (the caller then loads that one). Without a cached
+    verdict this calls `load_full` once and hands the tokenizer it got to the LeanTokenizer."""
     tok_json = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_json):
         return None
-    tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-    if tok_cfg.get("tokenizer_class") not in _PLAIN_CLASSES or "auto_map" in tok_cfg:
-        return None
-    if tok_cfg.get("split_special_tokens") or tok_cfg.get("add_prefix_space") is not None:
-        return None
-    if tok_cfg.get("add_bos_token") or tok_cfg.get("add_eos_token"):
-        return None  # when transformers adds them depends on its version: let it decide
+    if "auto_map" in _read_json(os.path.join(path, "tokenizer_config.json")):
+        return None  # remote code: what it runs may change without the files changing
     with open(tok_json, encoding="utf-8") as f:
         spec = json.load(f)
-    if spec.get("truncation") is not None or spec.get("padding") is not None:
+    key = verdict_key(path)
+    lean = _cached(path, spec, key, load_full)
+    if lean is not None:
+        return lean
+    full = load_full()
+    verdict = judge(spec, full)
+    if verdict is None:
+        logger.info("tokenizer of %s: using transformers' %s (its pipeline is not reproduced)", path,
+                    type(full).__name__)
         return None
-    added = {t["content"]: bool(t.get("special")) for t in spec.get("added_tokens", [])}
-    for entry in (tok_cfg.get("added_tokens_decoder") or {}).values():
-        # transformers adds these to the Rust tokenizer when missing; here they must be there.
-        if added.get(entry.get("content")) != bool(entry.get("special")):
-            return None
-    specials_map = _read_json(os.path.join(path, "special_tokens_map.json"))
-    specials: dict[str, str | None] = {}
-    for name in _NAMED_SPECIAL:
-        value, mapped = _token_text(tok_cfg.get(name)), _token_text(specials_map.get(name))
-        if value is not None and mapped is not None and value != mapped:
-            return None
-        token = value if value is not None else mapped
-        if token is not None and token not in added:
-            return None  # transformers would add it as a new token
-        specials[name] = token
-    from tokenizers import Tokenizer, processors
-
-    backend = Tokenizer.from_str(json.dumps(spec))
-    if "add_bos_token" in tok_cfg or "add_eos_token" in tok_cfg or backend.post_processor is None:
-        # TokenizersBackend.update_post_processor with neither bos nor eos to add.
-        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
-    backend.no_truncation()
-    backend.no_padding()
-    return LeanTokenizer(path, backend, tok_cfg, specials, _chat_template(path, tok_cfg), load_full)
+    write_verdict(key, verdict)
+    return LeanTokenizer(path, build_backend(spec, verdict), verdict, lambda: full)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -19,6 +19,15 @@ from tidal.protocol.config_views import VllmConfigAttrs
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
 CORE_RESTART_WINDOW_S = 600.0  # max_core_restarts counts the restarts within this window
+# The most whitespace characters a JSON grammar allows in one gap between tokens ("{", keys,
+# ":", values, ",") unless an engine or request setting says otherwise. Without a bound, a
+# model whose vocabulary has long whitespace tokens (code-trained BPE: runs of 2-16 spaces) can
+# spend every token on whitespace after "{" and never close the object. 20 is llama.cpp's
+# json.gbnf bound (a newline and 20 spaces or tabs): pretty-printed JSON still fits (a newline
+# plus indent=2 to depth 9, indent=4 to depth 4), while a whitespace run is over in a few tokens.
+DEFAULT_MAX_WHITESPACE_CNT = 20
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 30.0
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # vLLM's names of the one backend tidal has
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -28,6 +37,61 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),
     "generation_config": ("auto", "vllm"),
 }
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's StructuredOutputsConfig (the engine-wide structured-output settings, engine arg
+    `structured_outputs_config`) and tidal's whitespace bound. Per-request settings of the same
+    names (StructuredOutputsParams) take precedence: `disable_any_whitespace` is on when either
+    sets it, a request's `max_whitespace_cnt` replaces this one."""
+
+    backend: str = "auto"  # auto | xgrammar: tidal's only backend either way
+    disable_fallback: bool = False  # accepted: with one backend there is nothing to fall back to
+    # JSON without free whitespace: xgrammar's any_whitespace=False (separators ", " and ": ").
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False  # vLLM's guidance-only option (xgrammar is strict)
+    reasoning_parser: str = ""  # not supported: refused unless empty
+    reasoning_parser_plugin: str = ""
+    enable_in_reasoning: bool = False
+    # tidal's: the most whitespace characters between two JSON tokens (None: unbounded, as vLLM).
+    max_whitespace_cnt: int | None = DEFAULT_MAX_WHITESPACE_CNT
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_config.backend={self.backend!r}: tidal's only structured-output "
+                             f"backend is xgrammar (use one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)})")
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                     "enable_in_reasoning"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs_config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.reasoning_parser or self.reasoning_parser_plugin or self.enable_in_reasoning:
+            raise ValueError("structured_outputs_config: tidal does not support reasoning parsers "
+                             "(reasoning_parser, reasoning_parser_plugin, enable_in_reasoning)")
+        check_max_whitespace_cnt("structured_outputs_config.max_whitespace_cnt", self.max_whitespace_cnt)
+
+    @classmethod
+    def from_value(cls, value: "StructuredOutputsConfig | dict[str, Any] | None") -> "StructuredOutputsConfig":
+        """The engine arg's value (a dict, as on the CLI, or one of these) as a config; unknown
+        keys are a ValueError naming the known ones."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict (JSON object), got {type(value).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(known)}")
+        return cls(**value)
+
+
+def check_max_whitespace_cnt(name: str, value: object) -> None:
+    """ValueError unless `value` is None or an int >= 1 (xgrammar's rule)."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +159,11 @@ class EngineConfig(VllmConfigAttrs):
     # vLLM's stream_interval: a stream's outputs (DELTA and CUMULATIVE) go out at its first
     # token, then once per this many tokens, and at its end (front-end only; 1: every step).
     stream_interval: int = 1
+    # vLLM's structured_outputs_config (engine-wide JSON whitespace rules, tidal's bound).
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # tidal's: a structured-output grammar whose compile runs longer than this fails its
+    # request alone (the compile is stopped); the other requests are not held up.
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -123,6 +192,8 @@ class EngineConfig(VllmConfigAttrs):
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}.")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}.")
+        if not 0 < self.grammar_compile_timeout_s <= 3600:
+            raise ValueError(f"grammar_compile_timeout_s must be in (0, 3600], got {self.grammar_compile_timeout_s}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         for name, allowed in _CHOICES.items():

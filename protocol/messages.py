@@ -248,6 +248,10 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     prompt_logprobs: dict[str, LogprobsArrays] = {}
     # Wall seconds the model forward took (the engine reports its own overhead beside it).
     forward_time_s: float = 0.0
-    # Requests whose sampling failed this step (found by retrying the batch's rows apart),
-    # req_id -> error summary: the core fails each alone; the others' results stand.
+    # Requests whose sampling or prompt logprobs failed this step (found by retrying the
+    # batch's rows apart), req_id -> error summary: the core fails each alone; the others'
+    # results stand.
     failed_req_ids: dict[str, str] = {}
+    # Those of failed_req_ids that the request's own settings explain (its masks left no token
+    # to sample): failed as invalid (InvalidRequestError, HTTP 400), not as the engine's fault.
+    invalid_req_ids: list[str] = []

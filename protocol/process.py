@@ -1,14 +1,28 @@
-"""Process helpers every tidal child uses: die with the parent, reap children, listen sockets.
+"""Process helpers every tidal child uses: die with the parent, reap children, listen sockets,
+and tell a signal from the owner apart from one sent to the whole process group.
 
 Parent death on Linux is PR_SET_PDEATHSIG, which the kernel ties to the *thread* that forked
 the child, not to its process: a child spawned from a short-lived thread would be signalled
 when that thread ends. `SpawnerThread` owns the fork for that reason: it lives exactly as long
 as its children should, so the signal fires when the parent process dies (or the spawner is
 released) and never because some unrelated thread returned.
+
+A child started by a tidal process shares its process group, so the SIGTERM or SIGINT that
+`timeout`, systemd (KillMode=control-group signals every process of the unit) or a terminal's
+Ctrl-C sends reaches the child at the same moment as its owner. The owner then shuts down, and
+stops the child itself once the work in flight is done; the child must not die under it
+meanwhile. So every tidal child is born with those signals blocked (`SpawnerThread` forks with
+them blocked, `group_signals_blocked` around any other fork; the mask passes through fork and
+exec to every thread the child will have, also those a library starts at import), and then
+decides: `watch_signals` receives them with their sender's pid (siginfo), so a child can obey
+its owner and leave the group's signal to the owner; a child that wants them as usual
+unblocks them (`unblock_group_signals`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import queue
 import signal
@@ -18,11 +32,14 @@ import sys
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tidal.protocol.utils import Deadline
 
+logger = logging.getLogger(__name__)
+
 _PR_SET_PDEATHSIG = 1
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what a process group gets at its shutdown
 
 
 class ParentWatch:
@@ -85,6 +102,8 @@ def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) ->
     Returns the exit codes (None only for a process that survived SIGKILL's wait)."""
     _signal_live(procs, subprocess.Popen.terminate)
     wait_all(procs, Deadline(timeout_s))
+    if stuck := [proc.pid for proc in procs if proc.poll() is None]:
+        logger.warning("process(es) %s did not exit within %gs of SIGTERM: killing them", stuck, timeout_s)
     _signal_live(procs, subprocess.Popen.kill)
     wait_all(procs, Deadline(max(timeout_s, 5.0)))
     return [proc.returncode for proc in procs]
@@ -113,6 +132,10 @@ class SpawnerThread:
         self._thread.start()
 
     def _run(self) -> None:
+        # Every child forked here starts with the group's shutdown signals blocked (see the
+        # module's docstring); this thread itself never needs them (Python runs handlers in
+        # the main thread), so the process goes on receiving them as before.
+        signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -145,3 +168,59 @@ class SpawnerThread:
             self._jobs.put(None)
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=5.0)
+
+
+@contextlib.contextmanager
+def group_signals_blocked() -> Iterator[None]:
+    """GROUP_SIGNALS blocked in the calling thread meanwhile, so that a child forked here is
+    born with them blocked. One that comes meanwhile is not lost: another thread takes it, or
+    it waits, pending, until the end."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock_group_signals() -> None:
+    """Take GROUP_SIGNALS as usual again (handlers, default actions) in a process that may have
+    been born with them blocked: unblocked in the main thread, which the kernel then prefers
+    for them (threads started earlier keep them blocked, and so stay out of the way)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
+
+
+def watch_signals(signals: Sequence[int], on_signal: Callable[[int, int], None],
+                  name: str = "tidal-signals") -> bool:
+    """Receive `signals` in a thread of their own with the pid of their sender (siginfo's
+    si_pid: 0 when the kernel sent it, e.g. for a terminal's Ctrl-C): that thread calls
+    `on_signal(signum, sender_pid)` for each, one at a time. Returns False where the platform
+    cannot tell the sender (no sigwaitinfo): the signals are then unblocked, for the caller's
+    handlers or their default actions as usual.
+
+    The signals must be blocked in every thread of the process, else a thread that has them
+    unblocked takes them by its handler: call this from the main thread before any other
+    thread starts (it blocks them there, and later threads inherit the mask), or in a process
+    born with them blocked (see the module's docstring). A signal that came before the
+    watcher started waits, pending, and is the watcher's first."""
+    if not hasattr(signal, "sigwaitinfo"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        return False
+    wanted = set(signals)
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+
+    def run() -> None:
+        while True:
+            info = signal.sigwaitinfo(wanted)
+            on_signal(info.si_signo, info.si_pid)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return True
+
+
+def end_by_signal(signum: int) -> None:
+    """End this process the way `signum` does by default (its exit status says so), from any
+    thread, also while the signal is blocked (see watch_signals). Never returns."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # in the calling thread only
+    if signal.getsignal(signum) is signal.SIG_DFL:
+        signal.raise_signal(signum)  # directed at this thread, where it is unblocked: the default action
+    os._exit(128 + signum)  # a handler or SIG_IGN stood in the way: the shell's convention

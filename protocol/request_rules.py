@@ -66,7 +66,9 @@ def num_logprobs(k: int | None, vocab_size: int) -> int:
 
 
 def _check_logprobs(params: SamplingParams, limits: RequestLimits) -> str | None:
-    """`num_logprobs`' rule, and max_logprobs=-1 allows the whole vocabulary."""
+    """`num_logprobs`' rule, and max_logprobs=-1 allows the whole vocabulary. More than the
+    vocabulary holds is refused too, under a max_logprobs above it (vLLM's top-k would raise
+    in the sampler: this request's mistake must not reach it)."""
     vocab = limits.vocab_size
     most = num_logprobs(limits.max_logprobs, vocab)
     for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
@@ -74,6 +76,9 @@ def _check_logprobs(params: SamplingParams, limits: RequestLimits) -> str | None
         if k is not None and (k := num_logprobs(k, vocab)) > most:
             return (f"Requested {what} logprobs of {k}, which is greater than max allowed: {most} "
                     f"({name}={getattr(params, name)}, max_logprobs={limits.max_logprobs})")
+        if k is not None and k > vocab:
+            return (f"Requested {what} logprobs of {k}, which is greater than the vocabulary size {vocab} "
+                    f"({name}={k}; -1 asks for the whole vocabulary)")
     return None
 
 

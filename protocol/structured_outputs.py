@@ -39,10 +39,14 @@ class StructuredOutputsParams(
     # back to; whitespace_pattern is an outlines option that vLLM's xgrammar backend ignores
     # too (accepted, unused).
     disable_fallback: bool = False
-    disable_any_whitespace: bool = False  # JSON without whitespace between tokens
+    disable_any_whitespace: bool = False  # JSON in one fixed layout, no free whitespace
     disable_additional_properties: bool = False  # objects take only the schema's properties
     whitespace_pattern: str | None = None
     structural_tag: str | None = None  # xgrammar structural tag, as JSON text
+    # tidal's: the most whitespace characters a JSON grammar (json, json_object) allows between
+    # two tokens; None: the engine's (structured_outputs_config.max_whitespace_cnt, 20 unless
+    # set). A bound keeps a model from emitting whitespace until max_tokens.
+    max_whitespace_cnt: int | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -63,6 +67,10 @@ class StructuredOutputsParams(
         for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.max_whitespace_cnt is not None and (type(self.max_whitespace_cnt) is not int
+                                                    or self.max_whitespace_cnt < 1):
+            raise ValueError(f"structured_outputs.max_whitespace_cnt must be an integer >= 1 or None, "
+                             f"got {self.max_whitespace_cnt!r}")
         self._check_constraint()
 
     def _check_constraint(self) -> None:
@@ -89,12 +97,14 @@ class StructuredOutputsParams(
         """The name of the constraint that is set ("json", "regex", ...)."""
         return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
 
-    def key(self) -> tuple[str, str, bool, bool]:
-        """What the compiled grammar depends on: the core's cache key."""
+    def key(self) -> tuple[str, str, bool, int | None]:
+        """What the compiled grammar depends on, by this request's own settings (the core
+        merges in the engine's before it caches by it): kind, spec, disable_any_whitespace,
+        max_whitespace_cnt."""
         kind = self.kind
         spec = getattr(self, kind)
         text = _json.dumps(spec) if kind == "choice" else "" if kind == "json_object" else spec
-        return kind, text, self.disable_any_whitespace, self.disable_additional_properties
+        return kind, text, self.disable_any_whitespace, self.max_whitespace_cnt
 
     def all_constraints_none(self) -> bool:  # vLLM's helper
         return all(getattr(self, name) is None for name in CONSTRAINTS)
@@ -109,7 +119,7 @@ def _schema_text(schema: Any) -> str:
                          f"got {type(schema).__name__}")
     try:
         return _json.dumps(schema)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"structured_outputs.json is not JSON-serialisable: {e}") from None
 
 
@@ -118,6 +128,8 @@ def _parse_json(name: str, text: str, types: tuple[type, ...]) -> None:
         value = _json.loads(text)
     except ValueError as e:
         raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}") from None
+    except RecursionError:  # the request's mistake (400), not an engine failure
+        raise ValueError(f"structured_outputs.{name} is nested too deeply to parse") from None
     if not isinstance(value, types):
         raise ValueError(f"structured_outputs.{name} must be a JSON object, got {type(value).__name__}")
 

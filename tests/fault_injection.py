@@ -10,9 +10,11 @@ production loop carries no test branch.
 
 Per-request faults (tests/test_isolation.py): `use_sampling_fault(monkeypatch, TOKEN)` makes
 `ModelRunner._sample` raise for any batch that samples a request whose prompt holds TOKEN (as
-a request whose index broke the sampler would), and `use_update_fault(monkeypatch, TOKEN)` makes
-the scheduler's per-request update raise for such a request. For an engine core in a process
-of its own, `python tests/fault_injection.py core:sample:TOKEN <core_proc arguments>` runs
+a request whose index broke the sampler would), `use_prompt_logprobs_fault(monkeypatch, TOKEN)`
+makes the runner's prompt-logprob computation raise for a prompt chunk that scores TOKEN, and
+`use_update_fault(monkeypatch, TOKEN)` makes the scheduler's per-request update raise for such a
+request. For an engine core in a process of its own,
+`python tests/fault_injection.py core:sample:TOKEN <core_proc arguments>` runs
 `tidal.core.core_proc` with the sampling fault installed (`core_command`), and
 `core:workers:SPEC` runs it with its workers started with the worker fault SPEC
 (`use_faulty_workers_in_spawned_cores`).
@@ -68,6 +70,21 @@ def use_sampling_fault(monkeypatch: pytest.MonkeyPatch, token_id: int) -> None:
     from tidal.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "_sample", faulty_sample(ModelRunner._sample, token_id))
+
+
+def use_prompt_logprobs_fault(monkeypatch: pytest.MonkeyPatch, token_id: int) -> None:
+    """The model runner's prompt-logprob computation (called once per request and chunk) raises
+    when the prompt tokens it scores hold `token_id` (a prompt's first token is never scored)."""
+    from tidal.worker import logprobs
+
+    compute = logprobs.compute_prompt_logprobs
+
+    def _compute(logits: Any, target_token_ids: Any, k: int) -> Any:
+        if token_id in target_token_ids.tolist():
+            raise IndexError(f"injected prompt logprobs failure (a prompt holds token {token_id})")
+        return compute(logits, target_token_ids, k)
+
+    monkeypatch.setattr(logprobs, "compute_prompt_logprobs", _compute)
 
 
 def use_update_fault(monkeypatch: pytest.MonkeyPatch, token_id: int) -> None:

@@ -132,6 +132,24 @@ async def test_chaos_three_sigkills_every_stream_resumes_exactly(tiny_model_dir:
     assert not core_children()
 
 
+async def test_requests_queued_through_sigkills_are_not_blamed(tiny_model_dir: str, no_orphans: None) -> None:
+    # Two seats for 12 streams: most wait in the queue through every crash. A SIGKILLed core
+    # names no failing step; only the requests it had started (announced before their first
+    # step) and that made no progress are suspects, so every queued stream still completes.
+    engine = AsyncLLM(model=tiny_model_dir, max_num_seqs=2, enable_prefix_caching=False)
+    try:
+        params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0 if i % 2 else 1.0,
+                                 seed=50 + i, output_kind=DELTA) for i in range(12)]
+        reference = Streams(engine)
+        await reference.run(params)
+        chaos = Streams(engine)
+        await asyncio.gather(chaos.run(params), kill_core_at_random_moments(engine, chaos, 3, random.Random(5)))
+        assert engine.engine_core.num_restarts == 3
+        assert chaos.tokens == reference.tokens
+    finally:
+        engine.shutdown()
+
+
 def kill_when_generating(llm: LLM, min_tokens: int) -> threading.Thread:
     """A thread that SIGKILLs the LLM's core once a request has `min_tokens` tokens."""
     pid = llm.engine_core.process.pid

@@ -1,10 +1,7 @@
 """IncrementalDetokenizer: streamed chunks concatenate to tokenizer.decode, never split a char."""
 from __future__ import annotations
 
-import glob
-import os
 import random
-import sysconfig
 from typing import Any
 
 import pytest
@@ -16,6 +13,7 @@ from tidal.frontend.detokenizer import (
     IncrementalDetokenizer,
     SlowIncrementalDetokenizer,
 )
+from tidal.frontend.make_model import training_corpus
 from tidal.protocol.messages import EngineCoreRequest
 from tidal.protocol.sampling_params import SamplingParams
 
@@ -25,13 +23,7 @@ MIXED_TEXT = "def f(x):\n    return 'héllo wörld' # 日本語のテキスト �
 
 def train_tokenizer() -> PreTrainedTokenizerFast:
     """A tiny byte-level BPE (vocab 1000) trained on stdlib sources plus some CJK and emoji."""
-    texts, size = [], 0
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
-        with open(path, encoding="utf-8", errors="ignore") as f:
-            texts.append(f.read())
-        size += len(texts[-1])
-        if size > 300_000:
-            break
+    texts = training_corpus(300_000)
     texts.append("日本語のテキスト。中文文本测试。😀🎉👍 émoji ünïcödé " * 20)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

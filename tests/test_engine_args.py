@@ -15,7 +15,7 @@ from tidal.frontend.arg_rules import RULES, Implemented, NoOp, Refused, field_de
 
 TIDAL_EXTRAS = {"device", "worker_step_timeout_s", "engine_start_timeout_s", "heartbeat_timeout_s",
                 "core_address", "model_runner", "num_kv_blocks", "max_core_restarts",
-                "core_reconnect_timeout_s", "core_key_file", "max_waiting_requests"}
+                "core_reconnect_timeout_s", "core_key_file", "max_waiting_requests", "grammar_compile_timeout_s"}
 
 
 def test_every_vllm_arg_is_a_field_with_exactly_one_outcome() -> None:
@@ -65,7 +65,7 @@ def test_late_defaults_resolve_as_vllm() -> None:
     ("swap_space", 8), ("disable_custom_all_reduce", True), ("async_scheduling", True),
     ("enable_sleep_mode", True), ("max_parallel_loading_workers", 2), ("use_tqdm_on_load", False),
     ("optimization_level", 0), ("distributed_executor_backend", "mp"),
-    ("hf_token", "hf_x"), ("download_dir", "/tmp/d"), ("structured_outputs_config", {"backend": "guidance"}),
+    ("hf_token", "hf_x"), ("download_dir", "/tmp/d"),
 ])
 def test_noop_args_warn_once(name: str, value: Any, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="tidal.engine_args"):

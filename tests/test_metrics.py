@@ -302,11 +302,63 @@ def test_maybe_log_and_extra_loggers() -> None:
     metrics = EngineMetrics("m", 10, log_interval_s=10.0, stat_loggers=[recorder])
     sched, it = SchedulerStats(), IterationStats()
     metrics.record(sched, it)
-    assert recorder.records == [(sched, it)]
+    assert len(recorder.records) == 1
+    assert recorder.records[0][0] == sched and vars(recorder.records[0][1]) == vars(it)
     assert not metrics.maybe_log(now=t0 + 9.9)
     assert metrics.maybe_log(now=time.monotonic() + 10.0)
     assert recorder.logs == 1 and metrics.logging.last_line.startswith("Engine 000: Avg prompt")
     assert not metrics.maybe_log()  # the interval restarts at each log
+
+
+def test_user_logger_that_mutates_stats_or_raises_cancelled_cannot_break_the_builtins() -> None:
+    """A user's logger gets its own copies: editing them (now, or later through a reference it
+    kept) changes nothing the built-in loggers show; CancelledError from its calls is its own
+    failure, not a cancellation of the front-end (it used to escape `record`)."""
+    import asyncio
+
+    class Vandal(StatLoggerBase):
+        def __init__(self) -> None:
+            self.kept: list[SchedulerStats] = []
+
+        def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+                   mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                scheduler_stats.num_running_reqs = "many"  # type: ignore[assignment]
+                scheduler_stats.kv_cache_usage = None  # type: ignore[assignment]
+                scheduler_stats.prefix_cache_queries = -1
+                self.kept.append(scheduler_stats)
+            if iteration_stats is not None:
+                iteration_stats.num_generation_tokens = 10**9
+                iteration_stats.finished_requests.clear()
+
+        def log(self) -> None:
+            for stats in self.kept:
+                stats.num_waiting_reqs = "all"  # type: ignore[assignment]
+            raise asyncio.CancelledError
+
+    class Canceller(StatLoggerBase):
+        def record(self, *args: object, **kwargs: object) -> None:
+            raise asyncio.CancelledError
+
+        def log(self) -> None:
+            raise asyncio.CancelledError
+
+    metrics = EngineMetrics("m", 10, log_interval_s=10.0, stat_loggers=[Vandal(), Canceller()])
+    plain = EngineMetrics("m", 10, log_interval_s=10.0)  # the reference: no user loggers
+    for engine_metrics in (metrics, plain):
+        it = IterationStats(iteration_timestamp=ARRIVAL)
+        it.num_generation_tokens = 7
+        engine_metrics.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.5,
+                                             prefix_cache_queries=40, prefix_cache_hits=10), it)
+        engine_metrics.log()
+        engine_metrics.record(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25, prefix_cache_queries=80,
+                                             prefix_cache_hits=30), None)
+        engine_metrics.log()
+    assert metrics.logging.last_line == plain.logging.last_line
+    assert "Running: 2 reqs, Waiting: 0 reqs, GPU KV cache usage: 25.0%" in metrics.logging.last_line
+    for name in ("vllm:generation_tokens", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+        assert _value(metrics.get_metrics(), name) == _value(plain.get_metrics(), name), name
 
 
 async def test_server_logs_one_stats_line_per_interval(caplog: pytest.LogCaptureFixture) -> None:

@@ -9,7 +9,7 @@ import random
 from tidal.core.request import RequestStatus
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.protocol import SamplingParams
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from tidal.protocol.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason
 
 try:
     from test_scheduler import FakeRunner, assert_pool_empty, make_req, make_sched, reference_tokens, run_steps
@@ -172,15 +172,44 @@ def test_request_crashing_alone_twice_is_given_up() -> None:
     assert "r0" not in op.request_states and out is not None
 
 
-def test_unknown_failing_step_keeps_the_old_rule() -> None:
+def _started(op: OutputProcessor, rid: str) -> None:
+    """The core's announcement that a request's first step begins (EngineCore._announce_started)."""
+    op.process_outputs([EngineCoreOutput(rid, events=[(int(EngineCoreEventType.SCHEDULED), 1.0)])])
+
+
+def test_unknown_failing_step_blames_started_requests_without_progress() -> None:
     op = _op(2)
+    _started(op, "r0")
     _token(op, "r1")
-    resend, give_up = op.resume_after_crash(None)  # r0 made no progress: a suspect
+    resend, give_up = op.resume_after_crash(None)  # r0 ran and made no progress: a suspect
     assert not give_up and not any(r.quarantined for r in resend)
+    _started(op, "r0")
     _token(op, "r1")
     resend, give_up = op.resume_after_crash(None)  # no progress across two crashes in a row
     assert [o.request_id for o in give_up] == ["r0"] and give_up[0].error == GIVE_UP
     assert [r.request_id for r in resend] == ["r1"]
+
+
+def test_unknown_failing_step_never_blames_a_request_that_never_ran() -> None:
+    # r0 runs and streams through every crash; r1 sits in the queue behind it (never started
+    # on any core); r2 started on the second core only. A queued request is not a suspect.
+    op = _op(3)
+    for crash in range(6):
+        _started(op, "r0")
+        _token(op, "r0")
+        if crash == 1:
+            _started(op, "r2")
+        resend, give_up = op.resume_after_crash(None)
+        assert not give_up, (crash, [o.request_id for o in give_up])
+        assert {r.request_id for r in resend} == {"r0", "r1", "r2"}
+    # r2 was a suspect once (crash 1), then queued through the rest: its streak stands at one,
+    # and the next crash it runs through without progress gives it up.
+    _started(op, "r2")
+    resend, give_up = op.resume_after_crash(None)
+    assert [o.request_id for o in give_up] == ["r2"] and give_up[0].error == GIVE_UP
+    assert {r.request_id for r in resend} == {"r0", "r1"}
+    # The announcement leaves no trace in the streams: r1 never produced an output.
+    assert op.request_states["r1"].token_ids == [] and op.request_states["r1"].text == ""
 
 
 # ------------------------------------------------------------------ engine core

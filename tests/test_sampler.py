@@ -9,7 +9,7 @@ import torch
 
 from tidal.protocol import SamplingParams
 from tidal.protocol.messages import LogprobsArrays
-from tidal.worker import sampler as sampler_mod
+from tidal.worker import logprobs as logprobs_mod
 from tidal.worker.sampler import (
     LogprobsTensors,
     Sampler,
@@ -348,7 +348,7 @@ def test_prompt_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
     targets[5] = 70
     ref = torch.log_softmax(logits, -1)
     for chunk in (1 << 25, V * 4):  # second: 4 rows per chunk
-        monkeypatch.setattr(sampler_mod, "_PROMPT_CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(logprobs_mod, "PROMPT_CHUNK_ELEMS", chunk)
         lp = compute_prompt_logprobs(logits, targets, 3)
         assert lp.token_ids.shape == (n, 4)
         assert torch.equal(lp.token_ids[:, 0].long(), targets)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,14 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def verdict_cache(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Tokenizer verdicts (frontend/tokenizer_verdict.py) of this module stay out of ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDAL_CACHE_DIR", str(tmp_path_factory.mktemp("verdicts")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def hf_tok(tiny_model_dir: str):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
@@ -33,7 +39,9 @@ def hf_tok(tiny_model_dir: str):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def lean(tiny_model_dir: str) -> LeanTokenizer:
+def lean(tiny_model_dir: str, hf_tok) -> LeanTokenizer:  # type: ignore[no-untyped-def]
+    first = load_lean_tokenizer(tiny_model_dir, load_full=lambda: hf_tok)  # judged, and cached
+    assert isinstance(first, LeanTokenizer)
     tok = load_lean_tokenizer(tiny_model_dir, load_full=lambda: pytest.fail("the full tokenizer was loaded"))
     assert isinstance(tok, LeanTokenizer)
     return tok
@@ -62,8 +70,8 @@ def test_lean_tokenizer_attributes_match_transformers(lean: LeanTokenizer, hf_to
     assert sorted(lean.all_special_ids) == sorted(hf_tok.all_special_ids)
 
 
-def test_lean_tokenizer_hands_the_rest_to_transformers(tiny_model_dir: str, hf_tok) -> None:  # type: ignore[no-untyped-def]
-    loads: list[int] = []
+def test_lean_tokenizer_hands_the_rest_to_transformers(tiny_model_dir: str, hf_tok, lean) -> None:  # type: ignore[no-untyped-def]
+    loads: list[int] = []  # the verdict is cached (the lean fixture): nothing loaded up front
 
     def load_full():  # type: ignore[no-untyped-def]
         loads.append(1)
@@ -92,36 +100,58 @@ def _copy(src: str, dst: str, edit_config=None) -> str:  # type: ignore[no-untyp
 
 
 @pytest.mark.parametrize("edit", [
-    lambda c: c.update(tokenizer_class="Qwen2Tokenizer"),  # model-specific class: transformers decides
+    lambda c: c.update(tokenizer_class="Qwen2Tokenizer"),  # a class that rebuilds the pre-tokenizer
     lambda c: c.update(add_prefix_space=True),
     lambda c: c.update(split_special_tokens=True),
-    lambda c: c.update(eos_token="<|not-in-vocab|>"),  # transformers would add a token
+    lambda c: c.update(eos_token="<|not-in-vocab|>"),  # transformers adds a token
     lambda c: c.update(add_bos_token=True),
+    lambda c: [c.pop("add_bos_token"), c.pop("add_eos_token")],
 ])
-def test_lean_tokenizer_declines_what_it_does_not_reproduce(tiny_model_dir: str, tmp_path, edit) -> None:  # type: ignore[no-untyped-def]
-    path = _copy(tiny_model_dir, str(tmp_path / "m"), edit)
-    assert load_lean_tokenizer(path, load_full=lambda: None) is None
-
-
-def test_lean_tokenizer_without_bos_eos_flags_encodes_as_transformers(tiny_model_dir: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_lean_tokenizer_follows_what_transformers_builds(tiny_model_dir: str, tmp_path, edit) -> None:  # type: ignore[no-untyped-def]
+    """Where the tokenizer class or config changes the file's pipeline, the lean tokenizer runs
+    what transformers runs, from the cached verdict on, without transformers."""
     from transformers import AutoTokenizer
 
-    path = _copy(tiny_model_dir, str(tmp_path / "m"), lambda c: [c.pop("add_bos_token"), c.pop("add_eos_token")])
-    lean, hf = load_lean_tokenizer(path, load_full=lambda: None), AutoTokenizer.from_pretrained(path)
-    assert lean is not None
+    path = _copy(tiny_model_dir, str(tmp_path / "m"), edit)
+    hf = AutoTokenizer.from_pretrained(path)
+    assert isinstance(load_lean_tokenizer(path, load_full=lambda: hf), LeanTokenizer)
+    lean = load_lean_tokenizer(path, load_full=lambda: pytest.fail("the full tokenizer was loaded"))
+    assert isinstance(lean, LeanTokenizer) and len(lean) == len(hf) and lean.eos_token == hf.eos_token
     for text in TEXTS:
         for special in (True, False):
             assert lean.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+        ids = hf.encode(text)
+        assert lean.decode(ids) == hf.decode(ids)
 
 
-def test_front_end_loads_its_tokenizer_without_torch_or_transformers(tiny_model_dir: str) -> None:
-    code = ("import sys\n"
-            "from tidal.frontend.engine_setup import load_tokenizer\n"
-            "from tidal.protocol.config import EngineConfig\n"
-            f"tok = load_tokenizer(EngineConfig(model={tiny_model_dir!r}))\n"
-            "print(type(tok).__name__, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["LeanTokenizer", "False", "False"]
+def _subclass_with_own_encode(hf):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer, but of a class with Python of its own in encode."""
+    cls = type("OwnEncode", (type(hf),), {"encode": lambda self, text, **kw: [0]})
+    hf.__class__ = cls
+    return hf
+
+
+@pytest.mark.parametrize("case", ["not transformers' fast class", "own encode", "remote code", "truncation"])
+def test_lean_tokenizer_declines_what_it_does_not_reproduce(tiny_model_dir: str, tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                            case: str) -> None:
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))  # no verdict from another test
+
+    path = _copy(tiny_model_dir, str(tmp_path / "m"),
+                 (lambda c: c.update(auto_map={"AutoTokenizer": ["x.Y", None]})) if case == "remote code" else None)
+    if case == "truncation":
+        file = os.path.join(path, "tokenizer.json")
+        with open(file) as f:
+            spec = json.load(f)
+        spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+        with open(file, "w") as f:
+            json.dump(spec, f)
+    full = {"not transformers' fast class": lambda: object(),
+            "own encode": lambda: _subclass_with_own_encode(AutoTokenizer.from_pretrained(tiny_model_dir))}.get(
+                case, lambda: AutoTokenizer.from_pretrained(path, trust_remote_code=False))
+    assert load_lean_tokenizer(path, load_full=full) is None
+    assert load_lean_tokenizer(path, load_full=full) is None  # a refusal is not cached as a pass
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from tests.engine_utils import EOS, make_core, req, run_to_completion
+from tests.test_structured_whitespace import whitespace_runs
 from tidal.frontend import LLM
 from tidal.protocol import EngineGenerateError, SamplingParams, StructuredOutputsParams
 from tidal.protocol.messages import FinishReason
@@ -275,8 +276,11 @@ def test_server_response_format_and_structured_outputs(tiny_model_dir: str, tida
 
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
+    # The engine-wide whitespace bound, through the CLI flag (vLLM's JSON engine arg).
     srv = Server(tiny_model_dir, ["--max-model-len", "1024", "--num-kv-blocks", "128",
-                                  "--chat-template", str(template)], tidal_cache_dir)
+                                  "--chat-template", str(template),
+                                  "--structured-outputs-config", '{"backend": "xgrammar", "max_whitespace_cnt": 3}'],
+                 tidal_cache_dir)
     try:
         client = srv.client()
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
@@ -286,6 +290,12 @@ def test_server_response_format_and_structured_outputs(tiny_model_dir: str, tida
             extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
                         "structured_outputs": {"disable_any_whitespace": True}})
         jsonschema.validate(json.loads(res.choices[0].text), schema)
+        # Free whitespace, bounded by the engine's setting or the request's own.
+        for seed, body, bound in ((5, {}, 3), (6, {"structured_outputs": {"max_whitespace_cnt": 1}}, 1)):
+            res = client.completions.create(model=tiny_model_dir, prompt=PROMPT, max_tokens=200, seed=seed, extra_body={
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, **body})
+            jsonschema.validate(json.loads(res.choices[0].text), schema)
+            assert max(whitespace_runs(res.choices[0].text), default=0) <= bound, res.choices[0].text
         from transformers import AutoTokenizer
 
         bias = {str(t): b for t, b in _closing_bias(AutoTokenizer.from_pretrained(tiny_model_dir)).items()}
@@ -294,6 +304,10 @@ def test_server_response_format_and_structured_outputs(tiny_model_dir: str, tida
             extra_body={"response_format": {"type": "json_object"},
                         "structured_outputs": {"disable_any_whitespace": True}})
         assert isinstance(json.loads(res.choices[0].text), dict), res.choices[0].text
+        res = client.completions.create(model=tiny_model_dir, prompt=PROMPT, max_tokens=400, seed=2, logit_bias=bias,
+                                        extra_body={"response_format": {"type": "json_object"}})
+        assert isinstance(json.loads(res.choices[0].text), dict), res.choices[0].text
+        assert max(whitespace_runs(res.choices[0].text), default=0) <= 3, res.choices[0].text
         res = client.completions.create(model=tiny_model_dir, prompt=PROMPT, max_tokens=20, n=2, seed=3,
                                         extra_body={"structured_outputs": {"choice": CHOICES}})
         assert all(c.text in CHOICES and c.finish_reason == "stop" for c in res.choices)

@@ -5,6 +5,11 @@ min_tokens and the penalties; and the processed logits the processed_* logprobs 
 Every id here passed `check_request` (range-checked against the vocabulary in the core), so
 indexing cannot fail. A batch in which no row uses them builds nothing (`TokenRules.build`
 returns None) and the sampler skips them at no cost.
+
+Masks can leave a row nothing to sample (allowed_token_ids that are all bad words, or all stop
+tokens under min_tokens, or outside a grammar): such a row samples NO_TOKEN (the sampler
+looks at `maskable_rows` only), and the model runner fails its request alone with `every_token_masked`'s
+words (vLLM would sample from all -inf logits: token 0 greedily, garbage at random).
 """
 from __future__ import annotations
 
@@ -42,6 +47,68 @@ def bad_words_banned_now(sequences: Sequence[Sequence[int]], output: Sequence[in
         if head == 0 or (head <= n_out and list(output[n_out - head:]) == list(seq[:head])):
             banned.add(seq[-1])
     return banned
+
+
+NO_TOKEN = -1  # the token a row whose masks left nothing samples (never a vocabulary id)
+
+
+def argmax_is_masked(x: torch.Tensor, greedy_tokens: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows of the masked logits x [B, V] whose argmax (`greedy_tokens`) is -inf,
+    i.e. whose every entry is: one gather. No host sync."""
+    return torch.isneginf(x.gather(1, greedy_tokens[:, None]).squeeze(1))
+
+
+def rows_fully_masked(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[R] bool: which of `rows` of the masked logits x [B, V] have every entry -inf (a max per
+    row, before sampling turns x into weights). Few rows are copied out first; many are read
+    in place. No host sync."""
+    if 2 * rows.shape[0] >= x.shape[0]:
+        return torch.isneginf(x.amax(-1)).index_select(0, rows)
+    return torch.isneginf(x.index_select(0, rows).amax(-1))
+
+
+def maskable_rows(params: Sequence[SamplingParams], min_tokens: dict[int, set[int]], grammar_rows: Sequence[int],
+                  vocab_size: int) -> list[int]:
+    """The rows whose masks may leave no token (the sampler checks only these): a grammar's,
+    and those whose bad words or min_tokens mask tokens beside allowed_token_ids (non-empty:
+    alone it always leaves a token) or mask as many tokens as the vocabulary holds."""
+    rows = set(grammar_rows)
+    for i, p in enumerate(params):
+        masked = len(min_tokens.get(i, ())) + len(p.bad_words_token_ids or ())  # each bad word bans <= 1
+        if masked and (p.allowed_token_ids is not None or masked >= vocab_size):
+            rows.add(i)
+    return sorted(rows)
+
+
+def every_token_masked(params: SamplingParams, output_token_ids: Sequence[int], eos_token_id: int | None,
+                       grammar: bool) -> str:
+    """The error of a request whose row had no token left after `output_token_ids`, naming
+    the settings that masked it (`grammar`: its structured-output bitmask was applied too)."""
+    causes: list[str] = []
+    if params.allowed_token_ids is not None:
+        causes.append(f"allowed_token_ids {_shown(params.allowed_token_ids)}")
+    banned = bad_words_banned_now(params.bad_words_token_ids or (), output_token_ids)
+    if banned:
+        causes.append(f"bad_words (banning {_shown(sorted(banned))} now)")
+    n = len(output_token_ids)
+    if n < params.min_tokens:
+        stops = sorted({*(params.stop_token_ids or ()), *(() if eos_token_id is None else (eos_token_id,))})
+        causes.append(f"min_tokens={params.min_tokens} (masking the stop tokens {_shown(stops)} "
+                      f"until {params.min_tokens} tokens are generated)")
+    where = f"every token is masked for this request after {n} generated token{'' if n == 1 else 's'}"
+    if not grammar:
+        return f"{where}: {' and '.join(causes) or 'its settings'} leave no token to sample"
+    kind = params.structured_outputs.kind if params.structured_outputs is not None else "grammar"
+    others = " and ".join(causes) or "its other settings"
+    return (f"{where}: the structured output grammar ({kind}) allows none of the tokens that {others} "
+            f"leave; another setting (min_tokens, allowed_token_ids, bad_words) may have masked "
+            f"every token the grammar allows")
+
+
+def _shown(ids: Sequence[int], limit: int = 8) -> str:
+    """Ids for an error message: all of a few, else the first ones and how many."""
+    ids = list(ids)
+    return str(ids) if len(ids) <= limit else f"{str(ids[:limit])[:-1]}, ...] ({len(ids)} in all)"
 
 
 def needs_output_history(params: SamplingParams) -> bool:

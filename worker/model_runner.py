@@ -13,7 +13,6 @@ reading the sampled ids). On CUDA, decode-only steps replay captured graphs
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,28 +21,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
-from tidal.protocol.request_rules import num_logprobs
+from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.protocol.utils import summarize_exception
 from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context, zeroed_kv_tensor
 from tidal.worker.cuda_graphs import CudaGraphRunner, backend_is_graph_safe, capture_sizes
 from tidal.worker.input_batch import InputBatch
-from tidal.worker.logits_processors import apply_token_bitmask, needs_output_history
-from tidal.worker.sampler import Sampler, SamplingMetadata, argmax, compute_prompt_logprobs
+from tidal.worker.sampler import Sampler
+from tidal.worker.step_sampling import StepSampling
 
 logger = logging.getLogger(__name__)
-
-
-def _plain_greedy(sp: SamplingParams) -> bool:
-    """Greedy with nothing that changes or reports the logits: the sample is their argmax."""
-    return (sp.sampling_type_greedy and sp.logprobs is None and not _reads_outputs(sp)
-            and not sp.uses_logits_processors)
-
-
-def _reads_outputs(sp: SamplingParams) -> bool:
-    return bool(sp.min_tokens or sp.presence_penalty or sp.frequency_penalty
-                or sp.repetition_penalty != 1.0 or needs_output_history(sp))
 
 
 @dataclass
@@ -84,7 +71,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
-class ModelRunner:
+class ModelRunner(StepSampling):
+    """Per-request state and the forward pass; sampling and prompt logprobs, each request
+    isolated, are StepSampling's (worker/step_sampling.py)."""
+
     def __init__(self, model: nn.Module, *, block_size: int, vocab_size: int, device: torch.device,
                  is_driver: bool = True, logprobs_mode: str = "raw_logprobs",
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -267,113 +257,3 @@ class ModelRunner:
         if batch.prompt_lp:
             self._prompt_logprobs(batch, logits[len(batch.sample_rows):], out)
         return out
-
-    def _sample(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        if batch.grammar_rows:
-            # First, so that everything after (greedy argmax, sampling, the logprobs reported)
-            # sees the masked distribution, as in vLLM.
-            self._apply_grammar_bitmask(batch, logits)
-        states = [self.requests[batch.req_ids[i]] for i in batch.sample_rows]
-        if all(_plain_greedy(st.sampling_params) for st in states):
-            # Nothing but an argmax to do: skip building the per-row sampling tensors.
-            sampled = argmax(logits).tolist()
-            for row, i in enumerate(batch.sample_rows):
-                out.sampled_token_ids[i] = [sampled[row]]
-            return
-        # Token histories are copied only for rows whose sampling reads them (penalties,
-        # min_tokens): the copy grows with the sequence and would run every step for every row.
-        empty: list[int] = []
-        md = SamplingMetadata.build(
-            params=[st.sampling_params for st in states],
-            prompt_token_ids=[st.token_ids[: st.num_prompt_tokens]
-                              if st.sampling_params.repetition_penalty != 1.0 else empty for st in states],
-            output_token_ids=[st.token_ids[st.num_prompt_tokens:] if _reads_outputs(st.sampling_params)
-                              else empty for st in states],
-            positions=[len(st.token_ids) for st in states],
-            eos_token_ids=[st.eos_token_id for st in states],
-            vocab_size=self.vocab_size, device=logits.device, logprobs_mode=self.logprobs_mode)
-        result = self.sampler(logits, md)
-        sampled = result.sampled_token_ids.tolist()
-        for row, i in enumerate(batch.sample_rows):
-            out.sampled_token_ids[i] = [sampled[row]]
-        if result.logprobs is not None:
-            token_ids = result.logprobs.token_ids.cpu().numpy()
-            lps = result.logprobs.logprobs.cpu().numpy()
-            ranks = result.logprobs.ranks.cpu().numpy()
-            for row, st in enumerate(states):
-                if st.sampling_params.logprobs is not None:
-                    k = num_logprobs(st.sampling_params.logprobs, self.vocab_size)
-                    out.logprobs[st.req_id] = LogprobsArrays(
-                        token_ids[row: row + 1, : k + 1].copy(), lps[row: row + 1, : k + 1].copy(),
-                        ranks[row: row + 1].copy())
-
-    def _sample_isolating(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """`_sample`, but a failure one request explains fails that request alone: the rows are
-        retried in halves (sampling is a pure function of each row's seed and position, so a
-        row's token does not depend on the batch it is in) until each failing row stands alone,
-        and its request goes to `out.failed_req_ids`. When every row fails on its own too, no
-        single request explains it (device, sampler bug): that is raised, for the engine."""
-        try:
-            self._sample(batch, logits, out)
-            return
-        except Exception as e:
-            self.sampler.reset_buffers()  # a draw that raised midway may leave them dirty
-            if len(batch.sample_rows) == 1:
-                self._record_failure(batch, batch.sample_rows[0], e, out)
-                return
-        failed: dict[int, Exception] = {}
-        self._sample_apart(batch, logits, list(range(len(batch.sample_rows))), out, failed)
-        if len(failed) == len(batch.sample_rows):
-            raise next(iter(failed.values()))
-        for row, e in failed.items():
-            self._record_failure(batch, batch.sample_rows[row], e, out)
-
-    def _sample_apart(self, batch: _Batch, logits: torch.Tensor, rows: list[int], out: ModelRunnerOutput,
-                      failed: dict[int, Exception]) -> None:
-        """Sample `rows` (indices into batch.sample_rows) of a batch that failed, in halves."""
-        halves = [rows] if len(rows) == 1 else [rows[: len(rows) // 2], rows[len(rows) // 2:]]
-        for half in halves:
-            sub = dataclasses.replace(batch, sample_rows=[batch.sample_rows[r] for r in half])
-            try:
-                self._sample(sub, logits[half], out)
-            except Exception as e:
-                self.sampler.reset_buffers()
-                if len(half) == 1:
-                    failed[half[0]] = e
-                else:
-                    self._sample_apart(batch, logits, half, out, failed)
-
-    def _record_failure(self, batch: _Batch, i: int, e: Exception, out: ModelRunnerOutput) -> None:
-        """Batch index `i` failed to sample: no token, no logprobs (a failed attempt may have
-        written some), and the reason for the core."""
-        req_id = batch.req_ids[i]
-        out.sampled_token_ids[i] = []
-        out.logprobs.pop(req_id, None)
-        out.failed_req_ids[req_id] = f"sampling failed for this request: {summarize_exception(e)}"
-        logger.error("sampling failed for request %r alone: %s", req_id, out.failed_req_ids[req_id])
-
-    @staticmethod
-    def _apply_grammar_bitmask(batch: _Batch, logits: torch.Tensor) -> None:
-        """Mask the constrained rows of `logits` (one per batch.sample_rows) in place. Keyed
-        by request id, so it serves a retry on a subset of the rows too."""
-        assert batch.grammar_bitmask is not None
-        rows: list[int] = []
-        masks: list[int] = []
-        for row, i in enumerate(batch.sample_rows):
-            j = batch.grammar_rows.get(batch.req_ids[i])
-            if j is not None:
-                rows.append(row)
-                masks.append(j)
-        if rows:
-            apply_token_bitmask(logits, batch.grammar_bitmask[masks], rows)
-
-    def _prompt_logprobs(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        offset = 0
-        for req_id, _, rows, first_target in batch.prompt_lp:
-            st = self.requests[req_id]
-            targets = torch.tensor(st.token_ids[first_target: first_target + rows], dtype=torch.long,
-                                   device=logits.device)
-            lp = compute_prompt_logprobs(logits[offset: offset + rows], targets,
-                                         num_logprobs(st.sampling_params.prompt_logprobs, self.vocab_size))
-            out.prompt_logprobs[req_id] = lp.to_arrays()
-            offset += rows

@@ -1,5 +1,6 @@
 """Batched sampler (vLLM V1 semantics): allowed tokens, bad words, logit bias (logits_processors),
-min_tokens, penalties, temperature, min-p/top-k/top-p, seeded draws, logprobs in each logprobs_mode.
+min_tokens, penalties, temperature, min-p/top-k/top-p, seeded draws, logprobs in each logprobs_mode
+(worker/logprobs.py). A row whose masks leave no token samples NO_TOKEN (its request fails).
 
 * Determinism (DESIGN.md): a draw is a pure function of (seed, position) and the row's own
   logits: an exponential race `argmax(w / E)` with E ~ Exp(1) from a counter-based hash of
@@ -16,18 +17,23 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.protocol.messages import LogprobsArrays
 from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
 from tidal.protocol.utils import GREEDY_EPS
-from tidal.worker.logits_processors import (WEIGHT_FLOOR, Cutoffs, TokenRules, apply_penalties, device_tensor,
-                                            processed_logits)
+from tidal.worker.block_ops import argmax, block_gather as _block_gather, block_reduce as _block_reduce, topk as _topk
+from tidal.worker.logits_processors import (NO_TOKEN, WEIGHT_FLOOR, Cutoffs, TokenRules, apply_penalties,
+                                            argmax_is_masked, device_tensor, maskable_rows, processed_logits,
+                                            rows_fully_masked)
+from tidal.worker.logprobs import LogprobsTensors, compute_prompt_logprobs, logprobs_of
+
+__all__ = ["NO_TOKEN", "LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata", "argmax",
+           "compute_prompt_logprobs", "row_keys"]
 
 # Weights below WEIGHT_FLOOR (2^-100) of the row max are dropped (every row, so a draw never depends on its
 # batch): the per-row rescale by 1/omega then stays < 2^100 and float32 block sums cannot overflow.
@@ -37,8 +43,6 @@ _LOG2E = 1.4426950408889634
 # (uniform), while 1 / T stays a normal number, so masked tokens (-inf logits) keep weight 0.
 # A temperature past float32's range (1e308 is a valid request) made that product NaN.
 MAX_TEMPERATURE = 1e30
-_PREFILTER_BLOCK = 64  # block size of the argmax / top-k prefilters
-_PROMPT_CHUNK_ELEMS = 1 << 25  # prompt logprobs: rows per chunk * V, bounds the float32 copy
 
 
 def _i64(c: int) -> int:
@@ -102,6 +106,9 @@ class SamplingMetadata:
     # of the random rows when greedy and random rows are mixed (None otherwise).
     max_top_k: int = 0
     random_rows: torch.Tensor | None = None
+    # [R] int64, the rows whose masks may leave no token (logits_processors.maskable_rows; None:
+    # none may): the sampler checks them, and a row left with nothing samples NO_TOKEN.
+    maskable_rows: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
@@ -111,8 +118,10 @@ class SamplingMetadata:
     @staticmethod
     def build(params: list[SamplingParams], prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
               positions: list[int], eos_token_ids: list[int | None], vocab_size: int,
-              device: torch.device | str = "cpu", logprobs_mode: str = "raw_logprobs") -> SamplingMetadata:
-        """From per-row inputs; knobs no row uses get no tensor (and cost the sampler nothing)."""
+              device: torch.device | str = "cpu", logprobs_mode: str = "raw_logprobs",
+              grammar_rows: Sequence[int] = ()) -> SamplingMetadata:
+        """From per-row inputs; knobs no row uses get no tensor (and cost the sampler nothing).
+        `grammar_rows`: the rows whose logits a structured-output bitmask masked."""
         greedy = [p.sampling_type_greedy for p in params]
 
         def opt(values: list[float] | list[int], off: float, dtype: torch.dtype) -> torch.Tensor | None:
@@ -141,6 +150,7 @@ class SamplingMetadata:
         ks = [num_logprobs(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
         mixed = any(greedy) and not all(greedy)
         random_rows = [i for i, g in enumerate(greedy) if not g] if mixed else None
+        maskable = maskable_rows(params, min_tokens, grammar_rows, vocab_size)
         return SamplingMetadata(
             temperature=device_tensor([0.0 if g else min(p.temperature, MAX_TEMPERATURE)
                                        for p, g in zip(params, greedy)],
@@ -154,114 +164,14 @@ class SamplingMetadata:
             max_num_logprobs=max(ks) if ks else None,
             token_rules=TokenRules.build(params, output_token_ids, device), logprobs_mode=logprobs_mode,
             max_top_k=0 if top_k is None else max(top_ks),
-            random_rows=None if random_rows is None else device_tensor(random_rows, torch.long, device))
-
-
-@dataclass
-class LogprobsTensors:
-    """Column 0 = the chosen (sampled or prompt) token, columns 1..k = top-k by logprob. Rows
-    share one k (the batch max); a row that asked for fewer keeps its first k+1 columns only:
-    `slice(rows, num_logprobs=k)`, or `[:, :k+1]` on the arrays."""
-
-    token_ids: torch.Tensor  # [N, k+1] int32
-    logprobs: torch.Tensor  # [N, k+1] float32
-    ranks: torch.Tensor  # [N] int32: 1 + number of vocab entries with strictly greater logprob
-
-    def slice(self, rows: slice | list[int] | torch.Tensor | int, num_logprobs: int | None = None
-              ) -> LogprobsTensors:
-        if isinstance(rows, int):
-            rows = slice(rows, rows + 1)  # keep the row dimension
-        cols = slice(None) if num_logprobs is None else slice(0, num_logprobs + 1)
-        return LogprobsTensors(self.token_ids[rows][:, cols], self.logprobs[rows][:, cols], self.ranks[rows])
-
-    def to_arrays(self) -> LogprobsArrays:
-        t, lp, r = (np.ascontiguousarray(v.cpu().numpy()) for v in (self.token_ids, self.logprobs, self.ranks))
-        return LogprobsArrays(t.astype(np.int32, copy=False), lp.astype(np.float32, copy=False),
-                              r.astype(np.int32, copy=False))
+            random_rows=None if random_rows is None else device_tensor(random_rows, torch.long, device),
+            maskable_rows=device_tensor(maskable, torch.int64, device) if maskable else None)
 
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [B] int64
+    sampled_token_ids: torch.Tensor  # [B] int64; NO_TOKEN in a row whose masks left no token
     logprobs: LogprobsTensors | None
-
-
-def _block_reduce(x: torch.Tensor, bs: int, op: str) -> torch.Tensor:
-    """[R, V] -> [R, ceil(V / bs)]: `op` ("sum" or "amax") over consecutive blocks of bs entries,
-    the last block possibly short. Reductions over a contiguous inner dim are fast on CPU."""
-    R, V = x.shape
-    nf = V // bs
-    parts = [getattr(x[:, : nf * bs].reshape(R, nf, bs), op)(-1)] if nf else []  # reshape: a view here
-    if V > nf * bs:
-        parts.append(getattr(x[:, nf * bs :], op)(-1, keepdim=True))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
-def _block_gather(x: torch.Tensor, blocks: torch.Tensor, bs: int, fill: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entries of the chosen blocks [R, n] -> (values, token ids) [R, n * bs]; ids past the
-    vocab (short last block) read as `fill`."""
-    V = x.shape[1]
-    idx = (blocks[:, :, None] * bs + torch.arange(min(bs, V), device=x.device)).flatten(1)
-    vals = x.gather(1, idx.clamp(max=V - 1))
-    if V % bs:
-        vals = vals.masked_fill(idx >= V, fill)
-    return vals, idx
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) of [B, V] (the first maximal index, so greedy tokens of logits), ~8x faster
-    on CPU: torch's argmax is a scalar loop, amax is vectorised, so find the first block holding
-    the max, then look inside."""
-    bs = _PREFILTER_BLOCK
-    if x.shape[1] <= 4 * bs:
-        return x.argmax(-1)
-    blk = _block_reduce(x, bs, "amax").argmax(-1, keepdim=True)
-    vals, idx = _block_gather(x, blk, bs, float("-inf"))
-    return idx.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)
-
-
-def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, -1) (sorted), prefiltered by blocks: the k largest entries all lie in
-    the k blocks with the largest maxima (each such block holds an entry >= the k-th largest),
-    so topk runs over k * 64 entries instead of V. Values are exact; tie order may differ."""
-    bs = _PREFILTER_BLOCK
-    if 4 * k * bs > x.shape[1]:
-        return x.topk(k, dim=-1)
-    blocks = _block_reduce(x, bs, "amax").topk(k, dim=-1, sorted=False).indices
-    vals, idx = _block_gather(x, blocks, bs, float("-inf"))
-    top, pos = vals.topk(k, dim=-1)
-    return top, idx.gather(1, pos)
-
-
-def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                 as_logits: bool = False, masked: bool = False) -> LogprobsTensors:
-    """Logprobs of `logits` (or, as_logits, the logits themselves: the *_logits modes), their
-    top-k and the chosen tokens' ranks; `out` [N, V] float32 is scratch (clobbered). `masked`:
-    entries may be -inf (the processed modes), the chosen token's too."""
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if out is None else out
-    lp = out.copy_(logits) if as_logits else torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
-    chosen_lp = lp.gather(1, chosen[:, None])
-    ids, lps = chosen[:, None], chosen_lp
-    if k > 0:
-        top_lp, top_ids = _topk(lp, min(k, lp.shape[1]))
-        ids, lps = torch.cat([ids, top_ids], 1), torch.cat([lps, top_lp], 1)
-    # rank = 1 + #(lp > chosen): strictly greater, so tied tokens share a rank. Counted in place
-    # as sum(clamp(sign(lp - chosen), 0)): bool masks and their sums are slow on CPU.
-    # Masked (-inf) entries count as lower; -inf - -inf (a masked chosen token) is NaN, counted as
-    # 0 (raw logits are finite: that full-vocabulary pass only where masks can be).
-    signs = lp.sub_(chosen_lp).sign_().clamp_(min=0)
-    ranks = (signs.nan_to_num_(0.0) if masked else signs).sum(-1).to(torch.int32) + 1
-    return LogprobsTensors(ids.to(torch.int32), lps, ranks)
-
-
-def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Raw logprobs of the prompt's next tokens: row i scores target_token_ids[i]."""
-    step = max(1, _PROMPT_CHUNK_ELEMS // max(1, logits.shape[1]))
-    parts = [_logprobs_of(logits[i : i + step], target_token_ids[i : i + step].long(), k)
-             for i in range(0, logits.shape[0], step)]
-    return parts[0] if len(parts) == 1 else LogprobsTensors(
-        *(torch.cat(t) for t in zip(*((p.token_ids, p.logprobs, p.ranks) for p in parts))))
 
 
 def _take(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -286,20 +196,30 @@ class Sampler(nn.Module):
         B, V = logits.shape
         processed = md.max_num_logprobs is not None and md.logprobs_mode.startswith("processed")
         values = logits  # what logprobs are computed from: the raw logits unless processed
+        empty = None  # [B] bool: the maskable rows left with no token
+        rows = md.maskable_rows
         if md.all_greedy and md.plain:
             tokens = argmax(logits)  # nothing to process: no copy (and processed values are raw)
+            if rows is not None:  # grammar rows (plain: no other mask); finite rows never match
+                empty = argmax_is_masked(logits, tokens)
         else:
             x = self._buf("work", B, V, torch.float32, logits.device).copy_(logits)  # logits stay raw
             self.apply_logits_processors(x, md)
+            if rows is not None:  # before _sample turns x into weights (an empty row's are NaN)
+                empty = torch.zeros(B, dtype=torch.bool, device=x.device)
+                empty.index_put_((rows,), rows_fully_masked(x, rows))
             kept = self._buf("processed", B, V, torch.float32, logits.device).copy_(x) if processed else None
             tokens, cut = self._sample(x, md, cutoffs=processed)
             if kept is not None:
                 values = processed_logits(kept, md.temperature, cut)
-        if md.max_num_logprobs is None:
-            return SamplerOutput(tokens, None)
-        work = self._buf("work", B, V, torch.float32, logits.device)  # free again: reuse it
-        as_logits = md.logprobs_mode.endswith("logits")
-        return SamplerOutput(tokens, _logprobs_of(values, tokens, md.max_num_logprobs, work, as_logits, processed))
+        lp = None
+        if md.max_num_logprobs is not None:
+            work = self._buf("work", B, V, torch.float32, logits.device)  # free again: reuse it
+            as_logits = md.logprobs_mode.endswith("logits")
+            lp = logprobs_of(values, tokens, md.max_num_logprobs, work, as_logits, processed)
+        if empty is not None:  # after the logprobs, which index by token (the runner drops an empty row's)
+            tokens = tokens.masked_fill(empty, NO_TOKEN)
+        return SamplerOutput(tokens, lp)
 
     def _buf(self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A persistent [rows, cols] buffer. Fresh ones are zeroed; users of the zero-invariant

@@ -8,8 +8,10 @@ when it was raised inside a collective, i.e. most likely a peer's failure seen f
 Lifetime: PR_SET_PDEATHSIG(SIGKILL) ends the process when the core dies, even while it is
 blocked inside a gloo/NCCL collective (the executor forks workers from a thread that lives as
 long as they should, see protocol/process.py); a parent-pid poll covers the window before the
-prctl and other platforms. SIGINT is ignored: the core owns shutdown (SHUTDOWN message, then
-SIGTERM/SIGKILL).
+prctl and other platforms. The core owns shutdown (SHUTDOWN message, then SIGTERM/SIGKILL):
+a SIGTERM or SIGINT from anyone else -- the whole process group's, at its shutdown (`timeout`,
+systemd, Ctrl-C) -- is logged and ignored, so a rank never dies under a core that is still
+finishing the requests in flight (protocol/process.py's watch_signals tells the sender).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import zmq
 from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import SchedulerOutput, WorkerFrame
-from tidal.protocol.process import exit_with_parent
+from tidal.protocol.process import GROUP_SIGNALS, end_by_signal, exit_with_parent, watch_signals
 from tidal.protocol.utils import format_frames, setup_logging, summarize_exception
 
 logger = logging.getLogger("tidal.worker")
@@ -70,11 +72,26 @@ def _start_probe_thread(probe_address: str, result_address: str, rank: int) -> N
     threading.Thread(target=run, name="tidal-worker-probe", daemon=True).start()
 
 
+def _obey_only_the_core(rank: int, core_pid: int) -> None:
+    """SIGTERM/SIGINT end this rank only when its core sent them (or the core is gone): the
+    group's signal reaches the core too, which finishes its steps and then stops its workers.
+    Before any other thread starts (see watch_signals)."""
+
+    def on_signal(signum: int, sender: int) -> None:  # in the signal thread
+        if sender == core_pid or os.getppid() != core_pid:
+            end_by_signal(signum)
+        logger.info("worker rank %d: %s from pid %d ignored: its engine core (pid %d) stops it",
+                    rank, signal.Signals(signum).name, sender, core_pid)
+
+    if not watch_signals(GROUP_SIGNALS, on_signal, "tidal-worker-signals"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no sender to tell: at least not Ctrl-C
+
+
 def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: str,
                step_address: str, result_address: str, probe_address: str,
                listen_fd: int | None = None) -> int:
     parent = exit_with_parent(signal.SIGKILL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _obey_only_the_core(rank, parent.parent_pid)  # first: no other thread exists yet
     _start_probe_thread(probe_address, result_address, rank)
     ctx = zmq.Context()
     steps = ctx.socket(zmq.PULL)

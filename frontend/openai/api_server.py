@@ -10,7 +10,8 @@ routing, exception handlers, lifespan and `StreamingResponse` (which watches for
 disconnect while streaming) are all it needs. uvicorn does the graceful shutdown: it stops
 accepting, waits up to `timeout_graceful_shutdown` for in-flight requests, then cancels them
 (cancelling a request's generate() stream aborts it in the core) and runs the lifespan exit,
-which shuts the engine down. Metrics are prometheus_client's text exposition.
+which shuts the engine down (graceful_server.py: the requests still running at the timeout are
+aborted first, so their streams end cleanly). Metrics are prometheus_client's text exposition.
 """
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -39,6 +39,7 @@ from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.engine_args import AsyncEngineArgs
 from tidal.frontend.openai.cli_args import load_chat_template
 from tidal.frontend.openai.errors import APIError, from_exception
+from tidal.frontend.openai.graceful_server import ABORT_GRACE_S, GracefulServer
 from tidal.frontend.openai.limits import RequestSizeLimits
 from tidal.frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -275,24 +276,6 @@ def build_app(ctx: ServingContext, *, api_key: str | Sequence[str] | None = None
     return app
 
 
-class GracefulServer(uvicorn.Server):
-    """uvicorn's server with SIGINT/SIGTERM handled on the loop. uvicorn's own handling re-raises
-    the signal once serve() returns, which would end the process by the signal instead of a clean
-    exit 0 after the engine was shut down."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        loop = asyncio.get_running_loop()
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        for sig in sigs:
-            loop.add_signal_handler(sig, self.handle_exit, sig, None)
-        try:
-            yield
-        finally:
-            for sig in sigs:
-                loop.remove_signal_handler(sig)
-
-
 def engine_args_from(args: Any) -> AsyncEngineArgs:
     """The engine args of `tidal serve`'s flags, the model resolved (the positional, --model, or
     the embedded default model)."""
@@ -357,13 +340,14 @@ async def run_server(args: Any) -> None:
         app = build_app(ctx, api_key=keys, max_body_bytes=args.max_request_body_bytes, flags=args)
         config = uvicorn.Config(app, http="httptools", lifespan="on", log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
-                                timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path or "",
+                                timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
+                                root_path=args.root_path or "",
                                 **server_kwargs)
         filter_access_log(args)
         where = f"unix:{args.uds}" if args.uds else (
             f"{'https' if args.ssl_keyfile else 'http'}://{args.host}:{args.port}")
         logger.info("tidal serve: %s as %s on %s", engine_args.model, ctx.served_names[0], where)
-        await GracefulServer(config).serve()
+        await GracefulServer(config, engine, args.shutdown_timeout).serve()
     finally:
         if ctx is not None:
             ctx.close()

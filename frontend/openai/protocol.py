@@ -67,6 +67,7 @@ class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    max_whitespace_cnt: int | None = None  # tidal's: whitespace bound of JSON grammars (None: the engine's)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

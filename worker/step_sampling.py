@@ -1,0 +1,204 @@
+"""The driver's half of a step after the forward: sampling the rows that sample, scoring the
+prompt tokens of the requests that asked for prompt logprobs, each request isolated.
+
+Isolation (a failure one request explains fails that request alone; the step completes for the
+others, whose results are those of an undisturbed run):
+
+- sampling that raises is retried on halves of the rows until each failing row stands alone
+  (a row's token does not depend on its batch: DESIGN.md's determinism rule);
+- a row whose masks left no token (NO_TOKEN from the sampler) fails as the request's own
+  mistake (`invalid_req_ids`: InvalidRequestError, HTTP 400), naming the settings;
+- prompt logprobs are computed request by request, so one that raises fails alone.
+
+When every row (or every prompt-logprob request) of a step fails on its own, and there is more
+than one, no single request explains it (device, bug): that is raised, for the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput
+from tidal.protocol.request_rules import num_logprobs
+from tidal.protocol.sampling_params import SamplingParams
+from tidal.protocol.utils import summarize_exception
+from tidal.worker import logprobs as logprobs_mod
+from tidal.worker.block_ops import argmax
+from tidal.worker.logits_processors import (NO_TOKEN, apply_token_bitmask, argmax_is_masked, every_token_masked,
+                                            needs_output_history)
+from tidal.worker.sampler import Sampler, SamplingMetadata
+
+if TYPE_CHECKING:
+    from tidal.worker.model_runner import CachedRequestState, _Batch
+
+logger = logging.getLogger(__name__)
+
+
+def _plain_greedy(sp: SamplingParams) -> bool:
+    """Greedy with nothing that changes or reports the logits: the sample is their argmax."""
+    return (sp.sampling_type_greedy and sp.logprobs is None and not _reads_outputs(sp)
+            and not sp.uses_logits_processors)
+
+
+def _reads_outputs(sp: SamplingParams) -> bool:
+    return bool(sp.min_tokens or sp.presence_penalty or sp.frequency_penalty
+                or sp.repetition_penalty != 1.0 or needs_output_history(sp))
+
+
+class StepSampling:
+    """ModelRunner's sampling and prompt-logprob methods (a mixin: the runner owns the state)."""
+
+    requests: dict[str, CachedRequestState]
+    sampler: Sampler
+    vocab_size: int
+    logprobs_mode: str
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        if batch.grammar_rows:
+            # First, so that everything after (greedy argmax, sampling, the logprobs reported)
+            # sees the masked distribution, as in vLLM.
+            self._apply_grammar_bitmask(batch, logits)
+        states = [self.requests[batch.req_ids[i]] for i in batch.sample_rows]
+        if all(_plain_greedy(st.sampling_params) for st in states):
+            # Nothing but an argmax to do: skip building the per-row sampling tensors.
+            tokens = argmax(logits)
+            if batch.grammar_rows:  # a grammar's bitmask is the only mask such rows can have
+                tokens = tokens.masked_fill(argmax_is_masked(logits, tokens), NO_TOKEN)
+            self._take_tokens(batch, states, tokens.tolist(), out)
+            return
+        # Token histories are copied only for rows whose sampling reads them (penalties,
+        # min_tokens): the copy grows with the sequence and would run every step for every row.
+        empty: list[int] = []
+        md = SamplingMetadata.build(
+            params=[st.sampling_params for st in states],
+            prompt_token_ids=[st.token_ids[: st.num_prompt_tokens]
+                              if st.sampling_params.repetition_penalty != 1.0 else empty for st in states],
+            output_token_ids=[st.token_ids[st.num_prompt_tokens:] if _reads_outputs(st.sampling_params)
+                              else empty for st in states],
+            positions=[len(st.token_ids) for st in states],
+            eos_token_ids=[st.eos_token_id for st in states],
+            vocab_size=self.vocab_size, device=logits.device, logprobs_mode=self.logprobs_mode,
+            grammar_rows=[row for row, i in enumerate(batch.sample_rows) if batch.req_ids[i] in batch.grammar_rows])
+        result = self.sampler(logits, md)
+        sampled = result.sampled_token_ids.tolist()
+        if result.logprobs is not None:
+            token_ids = result.logprobs.token_ids.cpu().numpy()
+            lps = result.logprobs.logprobs.cpu().numpy()
+            ranks = result.logprobs.ranks.cpu().numpy()
+            for row, st in enumerate(states):
+                if st.sampling_params.logprobs is not None and sampled[row] != NO_TOKEN:
+                    k = num_logprobs(st.sampling_params.logprobs, self.vocab_size)
+                    out.logprobs[st.req_id] = LogprobsArrays(
+                        token_ids[row: row + 1, : k + 1].copy(), lps[row: row + 1, : k + 1].copy(),
+                        ranks[row: row + 1].copy())
+        self._take_tokens(batch, states, sampled, out)
+
+    def _take_tokens(self, batch: _Batch, states: list[CachedRequestState], sampled: list[int],
+                     out: ModelRunnerOutput) -> None:
+        """Row i's token into `out`; a row left with no token fails its request instead."""
+        for row, i in enumerate(batch.sample_rows):
+            if sampled[row] != NO_TOKEN:
+                out.sampled_token_ids[i] = [sampled[row]]
+                continue
+            st = states[row]
+            error = every_token_masked(st.sampling_params, st.token_ids[st.num_prompt_tokens:], st.eos_token_id,
+                                       st.req_id in batch.grammar_rows)
+            out.sampled_token_ids[i] = []
+            out.logprobs.pop(st.req_id, None)
+            out.failed_req_ids[st.req_id] = error
+            if st.req_id not in out.invalid_req_ids:
+                out.invalid_req_ids.append(st.req_id)
+            logger.debug("request %r fails alone: %s", st.req_id, error)  # the core logs it
+
+    def _sample_isolating(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """`_sample`, but a failure one request explains fails that request alone: the rows are
+        retried in halves (sampling is a pure function of each row's seed and position, so a
+        row's token does not depend on the batch it is in) until each failing row stands alone,
+        and its request goes to `out.failed_req_ids`. When every row fails on its own too, no
+        single request explains it (device, sampler bug): that is raised, for the engine."""
+        try:
+            self._sample(batch, logits, out)
+            return
+        except Exception as e:
+            self.sampler.reset_buffers()  # a draw that raised midway may leave them dirty
+            if len(batch.sample_rows) == 1:
+                self._record_failure(batch, batch.sample_rows[0], e, out)
+                return
+        failed: dict[int, Exception] = {}
+        self._sample_apart(batch, logits, list(range(len(batch.sample_rows))), out, failed)
+        if len(failed) == len(batch.sample_rows):
+            raise next(iter(failed.values()))
+        for row, e in failed.items():
+            self._record_failure(batch, batch.sample_rows[row], e, out)
+
+    def _sample_apart(self, batch: _Batch, logits: torch.Tensor, rows: list[int], out: ModelRunnerOutput,
+                      failed: dict[int, Exception]) -> None:
+        """Sample `rows` (indices into batch.sample_rows) of a batch that failed, in halves."""
+        halves = [rows] if len(rows) == 1 else [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+        for half in halves:
+            sub = dataclasses.replace(batch, sample_rows=[batch.sample_rows[r] for r in half])
+            try:
+                self._sample(sub, logits[half], out)
+            except Exception as e:
+                self.sampler.reset_buffers()
+                if len(half) == 1:
+                    failed[half[0]] = e
+                else:
+                    self._sample_apart(batch, logits, half, out, failed)
+
+    def _record_failure(self, batch: _Batch, i: int, e: Exception, out: ModelRunnerOutput,
+                        what: str = "sampling") -> None:
+        """Batch index `i` failed (`what`: its sampling, or its prompt logprobs): no token, no
+        logprobs (a failed attempt may have written some), and the reason for the core."""
+        req_id = batch.req_ids[i]
+        out.sampled_token_ids[i] = []
+        out.logprobs.pop(req_id, None)
+        out.prompt_logprobs.pop(req_id, None)
+        if req_id in out.invalid_req_ids:  # an exception is the engine's, not the request's
+            out.invalid_req_ids.remove(req_id)
+        out.failed_req_ids[req_id] = f"{what} failed for this request: {summarize_exception(e)}"
+        logger.error("%s failed for request %r alone: %s", what, req_id, out.failed_req_ids[req_id])
+
+    @staticmethod
+    def _apply_grammar_bitmask(batch: _Batch, logits: torch.Tensor) -> None:
+        """Mask the constrained rows of `logits` (one per batch.sample_rows) in place. Keyed
+        by request id, so it serves a retry on a subset of the rows too."""
+        assert batch.grammar_bitmask is not None
+        rows: list[int] = []
+        masks: list[int] = []
+        for row, i in enumerate(batch.sample_rows):
+            j = batch.grammar_rows.get(batch.req_ids[i])
+            if j is not None:
+                rows.append(row)
+                masks.append(j)
+        if rows:
+            apply_token_bitmask(logits, batch.grammar_bitmask[masks], rows)
+
+    def _prompt_logprobs(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Each prompt-logprob request's rows of `logits` (in batch.prompt_lp order), scored
+        apart: one that raises fails alone (see the module's rule for all of them failing)."""
+        failed: dict[str, Exception] = {}
+        attempted = 0
+        offset = 0
+        for req_id, _, rows, first_target in batch.prompt_lp:
+            part = logits[offset: offset + rows]
+            offset += rows
+            if req_id in out.failed_req_ids:  # its sampling failed: it ends this step
+                continue
+            attempted += 1
+            st = self.requests[req_id]
+            try:
+                targets = torch.tensor(st.token_ids[first_target: first_target + rows], dtype=torch.long,
+                                       device=logits.device)
+                k = num_logprobs(st.sampling_params.prompt_logprobs, self.vocab_size)
+                # Looked up in its module at each call (the tests' fault injection replaces it).
+                out.prompt_logprobs[req_id] = logprobs_mod.compute_prompt_logprobs(part, targets, k).to_arrays()
+            except Exception as e:
+                failed[req_id] = e
+        if len(failed) > 1 and len(failed) == attempted:
+            raise next(iter(failed.values()))
+        for req_id, e in failed.items():
+            self._record_failure(batch, batch.req_ids.index(req_id), e, out, what="prompt logprobs")
