@@ -68,7 +68,7 @@ class NullExecutor(Executor):
 
     def initialize(self) -> ResolvedEngineInfo:
         cfg = self.config
-        self.vocab_size, max_pos = read_model_limits(cfg.model)
+        self.vocab_size, max_pos = read_model_limits(cfg.model, cfg.disable_sliding_window)
         max_model_len = resolve_max_model_len(cfg.max_model_len, max_pos)
         blocks = cfg.num_kv_blocks or max_useful_kv_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size)
         self._lens: dict[str, int] = {}  # req_id -> tokens known to the runner

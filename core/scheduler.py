@@ -46,6 +46,7 @@ from tidal.protocol.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from tidal.protocol.sliding_window import model_kv_sliding_window
 from tidal.protocol.utils import max_step_tokens, summarize_exception
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         log_stats: bool = False,
         policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
+        sliding_window: int | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -98,7 +100,7 @@ class Scheduler:
         self.log_stats: bool = log_stats
         self.policy: SchedulingPolicy = SchedulingPolicy(policy)
         self.kv_cache_manager: KVCacheManager = KVCacheManager(
-            num_kv_blocks, block_size, enable_caching=enable_prefix_caching
+            num_kv_blocks, block_size, enable_caching=enable_prefix_caching, sliding_window=sliding_window
         )
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(self.policy)
@@ -126,6 +128,9 @@ class Scheduler:
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             log_stats=not cfg.disable_log_stats,
             policy=cfg.scheduling_policy,
+            # Blocks behind the window are freed only when every layer slides (a full-attention
+            # layer, e.g. Qwen2's below max_window_layers, needs every position).
+            sliding_window=None if cfg.disable_sliding_window else model_kv_sliding_window(cfg.model),
         )
 
     # ------------------------------------------------------------------ requests in / out

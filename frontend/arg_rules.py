@@ -129,7 +129,7 @@ RULES: dict[str, Rule] = {
     "block_size": Implemented("block_size"),
     "enable_prefix_caching": Implemented("enable_prefix_caching"),
     "prefix_caching_hash_algo": NoOp("tidal keys cached blocks by its own chained hash"),
-    "disable_sliding_window": NoOp("tidal's models attend over the full context"),
+    "disable_sliding_window": Implemented("disable_sliding_window"),
     "disable_cascade_attn": NoOp("tidal has no cascade attention"),
     "swap_space": NoOp("tidal never swaps KV blocks to CPU memory; a preempted request recomputes"),
     "cpu_offload_gb": Refused("offloading weights to CPU memory", ok=_one_of(0)),

@@ -1,8 +1,9 @@
 """Make small Hugging Face checkpoints offline, in seconds: tests and the embedded default model.
 
 A byte-level BPE tokenizer is trained with the `tokenizers` library on a fixed slice of Python's
-own standard library sources (cached per vocab size), and a Llama/Mistral/Qwen2/Qwen3 model with
-seeded random weights is built with `transformers` and saved as safetensors.
+own standard library sources (cached per vocab size), and a Llama/Mistral/Qwen2/Qwen3 or
+Qwen3-MoE/Mixtral model with seeded random weights is built with `transformers` and saved as
+safetensors.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 
@@ -157,6 +160,10 @@ def make_model(
     dtype: str = "float32",
     tokenizer_dir: str | None = None,
     config_overrides: dict[str, Any] | None = None,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
+    sliding_window: int | None = None,
 ) -> str:
     """Write a complete HF checkpoint (config, safetensors, tokenizer, generation config).
 
@@ -164,6 +171,12 @@ def make_model(
     logits with top-1/top-2 gaps far above float32 noise, so greedy comparisons against
     transformers are not decided by near-ties. tie_word_embeddings defaults to True for the
     Qwen archs and False for Llama/Mistral, as the published small models do.
+    sliding_window: every layer attends over that many positions (Mistral; Qwen2/Qwen3 with
+    use_sliding_window and max_window_layers 0, which config_overrides can raise); None: full.
+    The MoE archs (qwen3_moe, mixtral) take num_experts experts, num_experts_per_tok of them
+    per token; moe_intermediate_size is each Qwen3-MoE expert's width (default hidden_size;
+    a Mixtral expert is intermediate_size wide). Qwen3-MoE's other fields (norm_topk_prob,
+    decoder_sparse_step, mlp_only_layers) go through config_overrides.
     Returns out_dir.
     """
     import torch
@@ -200,8 +213,17 @@ def make_model(
         hidden_act="silu",
         use_cache=True,
     )
-    if arch == "mistral":
-        cfg["sliding_window"] = None  # full attention, which is all tidal implements
+    if arch in ("mistral", "mixtral"):
+        cfg["sliding_window"] = sliding_window  # MistralConfig's default would be 4096
+    elif arch in ("qwen2", "qwen3") and sliding_window is not None:
+        cfg.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
+    elif sliding_window is not None:
+        raise ValueError(f"make_model gives {arch} no sliding window")
+    if arch == "qwen3_moe":
+        cfg.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                   moe_intermediate_size=moe_intermediate_size or hidden_size)
+    elif arch == "mixtral":
+        cfg.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     cfg.update(config_overrides or {})
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     config = getattr(transformers, config_name)(**cfg)

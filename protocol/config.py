@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -16,7 +18,8 @@ from tidal.protocol.config_views import VllmConfigAttrs
 
 # config.json "architectures" tidal implements (tidal.worker.models.registry maps them to
 # classes); kept here, torch-free, so a front-end rejects a model before starting any process.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
 CORE_RESTART_WINDOW_S = 600.0  # max_core_restarts counts the restarts within this window
 # The most whitespace characters a JSON grammar allows in one gap between tokens ("{", keys,
@@ -106,6 +109,8 @@ class EngineConfig(VllmConfigAttrs):
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # vLLM's: full attention on sliding-window layers, max_model_len then capped at the window.
+    disable_sliding_window: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # without chunked prefill, raised to max_model_len
     block_size: int = 16
@@ -215,15 +220,55 @@ class EngineConfig(VllmConfigAttrs):
         return msgspec.json.decode(data, type=cls)
 
 
-def read_model_limits(model: str) -> tuple[int, int]:
-    """(vocab_size, max_position_embeddings) from a checkpoint's config.json, without torch."""
+def model_positions(text_cfg: Mapping[str, Any], disable_sliding_window: bool = False) -> int:
+    """Positions a checkpoint's config (a dict of config.json's text part) lets the engine
+    serve: max_position_embeddings, stretched by a RoPE scaling that extends the context, as
+    vLLM derives it: linear and dynamic multiply it by `factor`, yarn multiplies
+    original_max_position_embeddings (else max_position_embeddings) by it. llama3 and longrope
+    configs already state the extended length in max_position_embeddings. With
+    `disable_sliding_window` a model with sliding layers serves no more than its (smallest)
+    window, as in vLLM: past it, full attention is not what the model was trained for."""
+    positions = _rope_positions(text_cfg)
+    if disable_sliding_window:
+        from tidal.protocol.sliding_window import layer_sliding_windows
+
+        windows = [w for w in layer_sliding_windows(SimpleNamespace(**text_cfg)) if w is not None]
+        positions = min([positions, *windows])
+    return positions
+
+
+def _rope_positions(text_cfg: Mapping[str, Any]) -> int:
+    max_pos = int(text_cfg.get("max_position_embeddings", 2048))
+    scaling = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling")
+    if not isinstance(scaling, Mapping):
+        return max_pos
+    rope_type, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
+    if rope_type not in ("linear", "dynamic", "yarn") or not isinstance(factor, (int, float)) or factor <= 1:
+        return max_pos
+    base = int(scaling.get("original_max_position_embeddings") or max_pos) if rope_type == "yarn" else max_pos
+    return int(base * factor)
+
+
+_POSITION_FIELDS = ("max_position_embeddings", "rope_parameters", "rope_scaling", "num_hidden_layers",
+                    "architectures", "model_type", "sliding_window", "use_sliding_window", "max_window_layers",
+                    "layer_types")
+
+
+def config_positions(hf_config: Any, disable_sliding_window: bool = False) -> int:
+    """model_positions of a loaded config object (transformers' or the plain reader's)."""
+    fields = {f: getattr(hf_config, f) for f in _POSITION_FIELDS if getattr(hf_config, f, None) is not None}
+    return model_positions(fields, disable_sliding_window)
+
+
+def read_model_limits(model: str, disable_sliding_window: bool = False) -> tuple[int, int]:
+    """(vocab_size, positions served: model_positions) from a checkpoint's config.json, without torch."""
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in model directory {model!r}")
     with open(path) as f:
         cfg = json.load(f)
     text_cfg = cfg.get("text_config", cfg)
-    return int(text_cfg["vocab_size"]), int(text_cfg.get("max_position_embeddings", 2048))
+    return int(text_cfg["vocab_size"]), model_positions(text_cfg, disable_sliding_window)
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
@@ -231,7 +276,8 @@ def resolve_max_model_len(requested: int | None, model_max: int) -> int:
     naming both numbers when more is asked than the model's positions cover."""
     if requested is not None and requested > model_max:
         raise ValueError(f"max_model_len {requested} is larger than the model's "
-                         f"max_position_embeddings {model_max}; pass --max-model-len {model_max} or less")
+                         f"max_position_embeddings {model_max} (RoPE scaling included); "
+                         f"pass --max-model-len {model_max} or less")
     return requested or model_max
 
 
@@ -244,7 +290,7 @@ def check_model(config: EngineConfig) -> None:
         with open(os.path.join(config.model, "config.json")) as f:
             raw = json.load(f)
         archs = raw.get("architectures")
-        model_max = int(raw.get("text_config", raw).get("max_position_embeddings", 2048))
+        model_max = model_positions(raw.get("text_config", raw), config.disable_sliding_window)
     except (OSError, ValueError, AttributeError, TypeError):
         return
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):

@@ -95,7 +95,9 @@ class ModelConfig:
     def max_model_len(self) -> int:
         if self._cfg.max_model_len is not None:
             return self._cfg.max_model_len
-        return int(getattr(self.hf_text_config, "max_position_embeddings", 2048))
+        from tidal.protocol.config import config_positions  # config.py imports this module
+
+        return config_positions(self.hf_text_config, self._cfg.disable_sliding_window)
 
     @property
     def dtype(self) -> Any:
@@ -131,7 +133,14 @@ class ModelConfig:
         return max(1, total // _tp(parallel_config))
 
     def get_sliding_window(self) -> int | None:
-        return None  # tidal's models attend over the full context
+        """vLLM's: the model's sliding window (None: every layer attends the full context)."""
+        from tidal.protocol.sliding_window import layer_sliding_windows
+
+        if self._cfg.disable_sliding_window:
+            return None
+
+        windows = [w for w in layer_sliding_windows(self.hf_text_config) if w is not None]
+        return max(windows) if windows else None
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """vLLM's: the sampling defaults the model's generation_config.json sets (with

@@ -62,19 +62,25 @@ class Loaded:
     vocab_size: int
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Loaded]:
+def load_configs(configs: dict[str, tuple[str, dict[str, Any], int]],
+                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Loaded]:
+    """Each config made with make_model (seeded by its index) and loaded by tidal and transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out: dict[str, Loaded] = {}
-    for i, (name, (arch, kwargs, block_size)) in enumerate(CONFIGS.items()):
+    for i, (name, (arch, kwargs, block_size)) in enumerate(configs.items()):
         path = make_model(str(tmp_path_factory.mktemp(name)), arch, seed=i, **kwargs)
         cfg = AutoConfig.from_pretrained(path)
         model = load_model(path, cfg, torch.float32)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         out[name] = Loaded(path, model, hf, block_size, cfg.vocab_size)
     return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Loaded]:
+    return load_configs(CONFIGS, tmp_path_factory)
 
 
 @dataclass
@@ -148,7 +154,12 @@ def rand_tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_logits_match(models: dict[str, Loaded], name: str) -> None:
-    m = models[name]
+    assert_prefill_logits_match(models[name])
+
+
+def assert_prefill_logits_match(m: Loaded) -> None:
+    """Two prompts prefilled in one batch through the paged cache, and one without any
+    attention metadata, give transformers' logits."""
     a, b = rand_tokens(23, m.vocab_size, 1), rand_tokens(9, m.vocab_size, 2)
     kv = PagedKV(m.model, m.block_size)
     try:
@@ -217,24 +228,28 @@ def test_incremental_and_mixed_batch(
             torch.testing.assert_close(row, ref[s][p], atol=ATOL, rtol=0, msg=lambda msg: f"seq {s} pos {p}: {msg}")
 
 
-@pytest.mark.parametrize("name", ["qwen3-tied", "llama3-scaled"])
-def test_greedy_matches_hf_generate(models: dict[str, Loaded], name: str) -> None:
-    m = models[name]
+def assert_greedy_matches_hf_generate(m: Loaded, new_tokens: int) -> None:
+    """Greedy decoding one token per step through the paged cache == transformers' generate."""
     prompt = rand_tokens(7, m.vocab_size, 5)
     kv = PagedKV(m.model, m.block_size)
     tokens = list(prompt)
     try:
         logits = kv.step([(0, prompt, 0)])
-        for _ in range(24):
+        for _ in range(new_tokens):
             tokens.append(int(logits[-1].argmax()))
             logits = kv.step([(0, tokens[-1:], len(tokens) - 1)])
     finally:
         kv.release()
     with torch.no_grad():
         out = m.hf.generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     assert tokens == out[0].tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen3-tied", "llama3-scaled"])
+def test_greedy_matches_hf_generate(models: dict[str, Loaded], name: str) -> None:
+    assert_greedy_matches_hf_generate(models[name], 24)
 
 
 def test_fused_checkpoint_tensors_load_like_split_ones() -> None:
@@ -341,7 +356,8 @@ def test_half_precision_in_torch_ops(models: dict[str, Loaded], monkeypatch: pyt
 def test_registry_and_loader_errors(tmp_path: Any, models: dict[str, Loaded]) -> None:
     from transformers import AutoConfig
 
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                   "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
     cfg = AutoConfig.from_pretrained(models["qwen3-tied"].path)
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
@@ -421,11 +437,17 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_bfloat16_as_close_to_float32_as_transformers_bfloat16(models: dict[str, Loaded], name: str) -> None:
     """bf16 runs the packed oneDNN GEMM and the torch ops (the C kernels are float32 only): its
     distance to the float32 reference must be of the order of transformers' own bf16 error."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     m = models[name]
-    cfg = AutoConfig.from_pretrained(m.path)
-    ours = load_model(m.path, cfg, torch.bfloat16)
+    assert_bfloat16_as_close_as_transformers(m, load_model(m.path, AutoConfig.from_pretrained(m.path), torch.bfloat16))
+
+
+def assert_bfloat16_as_close_as_transformers(m: Loaded, ours: torch.nn.Module) -> None:
+    """`ours` (m's checkpoint loaded in bf16) is within twice transformers' bf16 distance of
+    the float32 logits."""
+    from transformers import AutoModelForCausalLM
+
     hf16 = AutoModelForCausalLM.from_pretrained(m.path, dtype=torch.bfloat16).eval()
     tokens = rand_tokens(21, m.vocab_size, 9)
     ref = hf_logits(m.hf, tokens)

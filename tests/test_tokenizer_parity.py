@@ -52,7 +52,8 @@ TEXTS = [
 ]
 # Model type (config.json) -> make_model arch.
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 SP_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
@@ -137,6 +138,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
     # Mistral-7B style: declares LlamaTokenizer, loads as TokenizersBackend, which adds a
     # post-processor the file lacks.
     _sentencepiece_variant(variant("mistral-sentencepiece", "mistral"), sp_json, "LlamaTokenizer", True)
+    # Mixtral-8x7B ships Mistral's tokenizer files; Qwen3-MoE declares Qwen2Tokenizer as Qwen3 does.
+    _sentencepiece_variant(variant("mixtral-sentencepiece", "mixtral"), sp_json, "LlamaTokenizer", True)
+    _edit(variant("qwen3_moe-qwen2-class", "qwen3_moe"), "tokenizer_config.json",
+          lambda c: c.update(tokenizer_class="Qwen2Tokenizer"))
     # qwen2 as make_model writes it is the reported case (Qwen2Tokenizer splits every digit).
     _edit(variant("qwen3-qwen2-class", "qwen3"), "tokenizer_config.json",
           lambda c: c.update(tokenizer_class="Qwen2Tokenizer"))
@@ -146,7 +151,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
 
 
 NAMES = ["llama", "llama-sentencepiece", "llama-cleanup", "mistral", "mistral-sentencepiece", "qwen2",
-         "qwen3", "qwen3-qwen2-class", "qwen3-split-special"]
+         "qwen3", "qwen3-qwen2-class", "qwen3-split-special", "mixtral", "mixtral-sentencepiece", "qwen3_moe",
+         "qwen3_moe-qwen2-class"]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,8 @@ class DecodeGroup:
     token_indices: torch.Tensor | None
     gather_len: int  # blocks gathered per sequence x block_size (>= the longest context)
     # [num * blocks_per_seq] cache block ids, gathered whole: copying 16-token rows is ~2x faster
-    # than gathering single slots. Entries past a sequence's own blocks repeat its first block (a
-    # written block, so never uninitialized memory) and are masked out.
+    # than gathering single slots. Entries past a sequence's own blocks repeat its first gathered
+    # block (a written block, so never uninitialized memory) and are masked out.
     kv_blocks: torch.Tensor
     mask: torch.Tensor | None  # [num, 1, 1, gather_len] bool; None when every position is valid
 
@@ -63,25 +64,44 @@ class DecodeGroup:
         seq_lens: list[int],
         block_tables: torch.Tensor,
         block_size: int,
+        window: int | None = None,
     ) -> "DecodeGroup":
+        """window: the layer's sliding window; only the blocks holding a sequence's last
+        `window` positions are gathered (earlier ones may be freed and reused by then)."""
         device = block_tables.device
         token_idx = [query_start_loc[i] for i in seqs]
         start = token_idx[0]
         contiguous = token_idx == list(range(start, start + len(seqs)))
         indices = None if contiguous else torch.tensor(token_idx, dtype=torch.long, device=device)
         lens_list = [seq_lens[i] for i in seqs]
-        num_blocks = cdiv(max(lens_list), block_size)
+        first_list = [window_start(n, window) // block_size for n in lens_list]
+        num_blocks = max(cdiv(n, block_size) - f for n, f in zip(lens_list, first_list))
         gather_len = num_blocks * block_size
         lens = torch.tensor(lens_list, dtype=torch.long, device=device)
         rows = torch.tensor(seqs, dtype=torch.long, device=device)
-        table = block_tables.index_select(0, rows)[:, :num_blocks]
-        owned = torch.arange(num_blocks, device=device)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+        table = block_tables.index_select(0, rows)
+        cols = torch.arange(num_blocks, device=device)[None, :]
+        if any(first_list):
+            cols = cols + torch.tensor(first_list, dtype=torch.long, device=device)[:, None]
+            table = table.gather(1, cols.clamp(max=table.shape[1] - 1))
+        else:
+            table = table[:, :num_blocks]
+        owned = cols < ((lens + block_size - 1) // block_size)[:, None]
         table = torch.where(owned, table, table[:, :1])
         mask = None
-        if min(lens_list) != gather_len:
+        if window is None and min(lens_list) != gather_len:
             valid = torch.arange(gather_len, device=device)[None, :] < lens[:, None]
             mask = valid[:, None, None, :]
+        elif window is not None:
+            pos = cols[:, :1] * block_size + torch.arange(gather_len, device=device)[None, :]
+            valid = (pos < lens[:, None]) & (pos > lens[:, None] - 1 - window)
+            mask = None if bool(valid.all()) else valid[:, None, None, :]
         return cls(len(seqs), start, indices, gather_len, table.reshape(-1), mask)
+
+
+def window_start(seq_len: int, window: int | None) -> int:
+    """The first position a sequence's last query (at seq_len - 1) attends under `window`."""
+    return 0 if window is None else max(0, seq_len - window)
 
 
 @dataclass
@@ -107,6 +127,9 @@ class AttentionMetadata:
     # the cache: set by a builder that checked them on the host, or by the first backend call
     # that checked them, so a step pays for the check once, not once per layer.
     block_tables_checked: bool = False
+    # Per-window views (prefill spans, decode groups), built on first use by the first layer
+    # of each window and shared by the rest.
+    _window_views: dict[tuple[str, int | None], Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -145,11 +168,22 @@ class AttentionMetadata:
         meta.max_seq_len = max(seq_lens, default=0)
         return meta
 
-    @functools.cached_property
+    @property
     def prefills(self) -> list[PrefillSpan]:
+        """The full-attention layers' prefill_spans."""
+        return self.prefill_spans(None)
+
+    def prefill_spans(self, window: int | None) -> list[PrefillSpan]:
         """The sequences with query_len > 1, with what a per-sequence SDPA needs (cache slots
-        and mask when earlier context is cached). Built on first use: kernels that read the
-        paged cache directly never need it."""
+        and mask when earlier context is cached, or when a sliding window cuts into the chunk)
+        for layers of this window. Built on first use: kernels that read the paged cache
+        directly never need it."""
+        key = ("prefills", window)
+        if key not in self._window_views:
+            self._window_views[key] = self._build_prefill_spans(window)
+        return self._window_views[key]
+
+    def _build_prefill_spans(self, window: int | None) -> list[PrefillSpan]:
         device = self.block_tables.device
         bs = self.block_size
         spans: list[PrefillSpan] = []
@@ -159,11 +193,16 @@ class AttentionMetadata:
             if q_len <= 1:
                 continue
             span = PrefillSpan(start, end, seq_len)
-            if seq_len > q_len:  # earlier context lives in the cache
-                pos = torch.arange(seq_len, device=device)
+            context = seq_len - q_len
+            if context > 0:  # earlier context lives in the cache
+                # The chunk's first query (at `context`) reads back to window_start of it + 1.
+                pos = torch.arange(window_start(context + 1, window), seq_len, device=device)
                 span.kv_slots = self.block_tables[i, pos // bs] * bs + pos % bs
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                span.mask = pos[None, :] <= q_pos[:, None]
+                q_pos = torch.arange(context, seq_len, device=device)
+                span.mask = _visible(q_pos, pos, window)
+            elif window is not None and q_len > window:  # causal alone would see too far back
+                pos = torch.arange(q_len, device=device)
+                span.mask = _visible(pos, pos, window)
             spans.append(span)
         return spans
 
@@ -191,22 +230,33 @@ class AttentionMetadata:
             return torch.nonzero(slots >= 0).flatten()
         return None
 
-    @functools.cached_property
+    @property
     def decode_groups(self) -> list[DecodeGroup]:
-        """Decodes in batch order, cut into groups whose padded gather stays bounded."""
+        """The full-attention layers' decode_groups_for."""
+        return self.decode_groups_for(None)
+
+    def decode_groups_for(self, window: int | None) -> list[DecodeGroup]:
+        """Decodes in batch order, cut into groups whose padded gather stays bounded, for
+        layers of this window."""
+        key = ("decode_groups", window)
+        if key in self._window_views:
+            return self._window_views[key]
         groups: list[DecodeGroup] = []
         group: list[int] = []
         group_max = 0
-        args = (self.query_start_loc, self.seq_lens, self.block_tables, self.block_size)
+        args = (self.query_start_loc, self.seq_lens, self.block_tables, self.block_size, window)
         for i in self.decode_seqs:
-            new_max = max(group_max, self.seq_lens[i])
+            # What one sequence gathers: its context, or under a window about one window.
+            span = self.seq_lens[i] if window is None else min(self.seq_lens[i], window + self.block_size)
+            new_max = max(group_max, span)
             if group and new_max * (len(group) + 1) > DECODE_GATHER_MAX_TOKENS:
                 groups.append(DecodeGroup.build(group, *args))
-                group, new_max = [], self.seq_lens[i]
+                group, new_max = [], span
             group.append(i)
             group_max = new_max
         if group:
             groups.append(DecodeGroup.build(group, *args))
+        self._window_views[key] = groups
         return groups
 
     @functools.cached_property
@@ -234,14 +284,29 @@ def get_forward_context() -> AttentionMetadata | None:
     return _forward_context
 
 
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: key position j is visible to query position i (causal,
+    and i - window < j under a sliding window)."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    return visible
+
+
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[KVH, L, D] -> [KVH*groups, L, D]; on CPU this is faster than SDPA's enable_gqa path."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=0)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain causal attention over one sequence: q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-    return _sdpa_one_sequence(q, k, v, scale, mask=None)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """Plain causal attention over one sequence: q [T, H, D], k/v [T, KVH, D] -> [T, H, D],
+    limited to the last `window` positions when given."""
+    mask = None
+    if window is not None and q.shape[0] > window:
+        pos = torch.arange(q.shape[0], device=q.device)
+        mask = _visible(pos, pos, window)
+    return _sdpa_one_sequence(q, k, v, scale, mask=mask)
 
 
 def _sdpa_one_sequence(
@@ -273,8 +338,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Write k/v into the caches at metadata.slot_mapping, then attend."""
+        """Write k/v into the caches at metadata.slot_mapping, then attend: each query at
+        position i over its sequence's positions (i - sliding_window, i] (all of [0, i] when
+        None). Positions before a sliding window are never read: their blocks may be freed."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -286,26 +354,28 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         self._write_cache(k, v, flat_k, flat_v, metadata)
         out = q.new_empty(q.shape)
         if metadata.decode_seqs:
-            out = self._decode(q, k_cache, v_cache, metadata, scale, out)
-        for span in metadata.prefills:
+            out = self._decode(q, k_cache, v_cache, metadata, scale, out, sliding_window)
+        for span in metadata.prefill_spans(sliding_window):
             self._prefill(q, k, v, flat_k, flat_v, span, scale, out)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         """Attention of every decode token; fills its rows of out and returns out (or, for a
         pure-decode batch, may return a new tensor instead)."""
         num_tokens, num_heads = q.shape[0], q.shape[1]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q_per_kv = num_heads // num_kv_heads
-        for group in metadata.decode_groups:
+        for group in metadata.decode_groups_for(window):
             n, length, idx = group.num, group.gather_len, group.token_indices
             q_dec = q[group.token_start : group.token_start + n] if idx is None else q.index_select(0, idx)
             # .to: a half cache under float32 compute (a no-op when the dtypes match)
@@ -411,8 +481,12 @@ class Attention(nn.Module):
     Caches are plain attributes (not buffers) so they stay out of state_dict and `.to()`.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
+        self.sliding_window = sliding_window  # None: full attention
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -432,12 +506,15 @@ class Attention(nn.Module):
         metadata = get_forward_context()
         if metadata is None or self.k_cache.numel() == 0:
             # Dummy/profile run: the whole input is one causal sequence, nothing is cached.
-            out = causal_attention(q, k, v, self.scale)
+            out = causal_attention(q, k, v, self.scale, self.sliding_window)
         else:
             if self.backend is None:
                 self.backend = attention_backend_for(self.k_cache.device)
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale,
+                                       self.sliding_window)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale:.4g}"
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"scale={self.scale:.4g}{window}")

@@ -38,6 +38,9 @@ SPLIT_MIN_SEQ_LEN = 1024  # contexts shorter than this attend in one pass
 SPLIT_MIN_PARTITION = 256  # no partition shorter than this many positions
 SPLIT_MAX = 16  # partials cost NUM_SPLITS x [T, H, D] fp32; the reduce reads all of them
 DEFAULT_SM_COUNT = 132  # CPU (interpreter): an H100/H200's count
+# The kernels' window for full attention: longer than any context, and far enough below 2**31
+# that (position - window) stays an int32.
+NO_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -76,12 +79,13 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-# num_seqs only bounds the sequence search: specializing on it (== 1, % 16) would compile
-# two or three copies of the kernel per configuration for nothing.
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs only bounds the sequence search and window only bounds the kv range: specializing
+# on them (== 1, % 16) would compile two or three copies of the kernel per configuration for
+# nothing.
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, qk_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -92,7 +96,9 @@ def _attention_kernel(
     m // Q_PER_KV of its q block, query head kv_head * Q_PER_KV + m % Q_PER_KV. qk_scale is
     scale * log2(e): the softmax runs in base 2. With NUM_SPLITS == 1 the program writes the
     normalized output; otherwise its partial (max, sum, acc) for the reduce kernel. tl.dot
-    operands are DOT_DTYPE (q's dtype, see _dot_dtype); it always accumulates in fp32."""
+    operands are DOT_DTYPE (q's dtype, see _dot_dtype); it always accumulates in fp32.
+    window: a row at position p sees positions (p - window, p]; NO_WINDOW (larger than any
+    context) for full attention. Positions no row of the program sees are never loaded."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,14 +122,16 @@ def _attention_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
 
-    # Positions [0, kv_end) are visible to some row of this block (causal), then split.
+    # Positions [kv_start, kv_end) are visible to some row of this block (causal, and the
+    # block's first row's window), then split.
     kv_end = tl.minimum(seq_len, context_len + (local + 1) * BLOCK_Q)
+    kv_start = tl.maximum(context_len + local * BLOCK_Q - window + 1, 0)
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = kv_start
         hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-        lo = tl.minimum(split * per_split, kv_end)
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+        lo = tl.minimum(kv_start + split * per_split, kv_end)
         hi = tl.minimum(lo + per_split, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -135,7 +143,7 @@ def _attention_kernel(
         offs_n = start + tl.arange(0, TILE_N)
         n_ok = offs_n < hi
         # Table entries past the sequence's blocks are never read (masked): only the first
-        # cdiv(seq_len, BLOCK_SIZE) were validated.
+        # cdiv(seq_len, BLOCK_SIZE) were validated. Those before kv_start are not either.
         block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + cache_head
         k = tl.load(k_cache_ptr + row_off[None, :] + offs_d[:, None],  # [D, N]
@@ -144,7 +152,9 @@ def _attention_kernel(
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         # A half cache under fp32 compute is widened on read (the cache may differ from q).
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= context_len + q_pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+        row_pos = context_len + q_pos[:, None]
+        visible = ((offs_n[None, :] <= row_pos) & (offs_n[None, :] > row_pos - window)
+                   & n_ok[None, :] & row_ok[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing visible yet: no NaN
@@ -211,17 +221,20 @@ def _sm_count(device: torch.device) -> int:
     return DEFAULT_SM_COUNT
 
 
-def _num_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+def _num_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device,
+                window: int | None = None) -> int:
     """Partitions per sequence, from host ints only (so a captured graph keeps its choice):
-    1 unless a decode-only batch has fewer programs than SMs and a long context."""
-    if metadata.max_query_len != 1 or metadata.max_seq_len < SPLIT_MIN_SEQ_LEN:
+    1 unless a decode-only batch has fewer programs than SMs and a long context (a decode
+    under a sliding window reads at most `window` positions)."""
+    longest = metadata.max_seq_len if window is None else min(metadata.max_seq_len, window)
+    if metadata.max_query_len != 1 or longest < SPLIT_MIN_SEQ_LEN:
         return 1
     programs = metadata.num_seqs * num_kv_heads
     sms = _sm_count(device)
     if programs >= sms:
         return 1
     want = triton.cdiv(sms, programs)
-    return max(1, min(SPLIT_MAX, want, metadata.max_seq_len // SPLIT_MIN_PARTITION))
+    return max(1, min(SPLIT_MAX, want, longest // SPLIT_MIN_PARTITION))
 
 
 def check_block_tables(metadata: AttentionMetadata, num_blocks: int) -> None:
@@ -268,7 +281,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.force_num_splits = force_num_splits
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         if q.device.type == "cpu" and not isinstance(_attention_kernel, InterpretedFunction):
             raise RuntimeError(
                 "TritonAttentionBackend got CPU tensors: Triton runs on CPU only under the interpreter; "
@@ -299,11 +313,12 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if metadata.num_seqs == 0 or metadata.num_tokens == 0:
             return out
-        self._attend(q, k_cache, v_cache, out, metadata, scale, head_pad, dot_dtype)
+        self._attend(q, k_cache, v_cache, out, metadata, scale, head_pad, dot_dtype, sliding_window)
         return out
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, head_pad: int, dot_dtype: tl.dtype) -> None:
+                metadata: AttentionMetadata, scale: float, head_pad: int, dot_dtype: tl.dtype,
+                window: int | None) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
         q_per_kv = num_heads // num_kv_heads
@@ -318,7 +333,7 @@ class TritonAttentionBackend(AttentionBackend):
         block_m = max(rows, triton.next_power_of_2(q_per_kv))
         block_q = block_m // q_per_kv
         tile_n = 32 if half else 16
-        splits = self.force_num_splits or _num_splits(metadata, num_kv_heads, q.device)
+        splits = self.force_num_splits or _num_splits(metadata, num_kv_heads, q.device, window)
         num_q_blocks = metadata.num_tokens // block_q + metadata.num_seqs  # upper bound, see _find_seq
         if splits > 1:
             part_m = torch.empty((metadata.num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
@@ -329,7 +344,7 @@ class TritonAttentionBackend(AttentionBackend):
         _attention_kernel[(num_q_blocks, num_kv_heads, splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc,
             metadata.device_query_start_loc(), metadata.device_seq_lens(), metadata.block_tables,
-            metadata.num_seqs, scale * 1.4426950408889634,
+            metadata.num_seqs, scale * 1.4426950408889634, NO_WINDOW if window is None else window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
             NUM_HEADS=num_heads, Q_PER_KV=q_per_kv, HEAD_DIM=head_dim, HEAD_PAD=head_pad,

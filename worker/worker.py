@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from tidal.protocol.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo, resolve_max_model_len
+from tidal.protocol.config import (DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo, config_positions,
+                                   resolve_max_model_len)
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.utils import (kv_blocks_for_budget, kv_cache_budget_from_memory, max_step_tokens,
                                   threads_per_rank)
@@ -69,7 +70,9 @@ class Worker:
         # and the torch path convert on write and read).
         self.kv_cache_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, hf_config)
         self.max_model_len = resolve_max_model_len(cfg.max_model_len,
-                                                   int(getattr(hf_config, "max_position_embeddings", 2048)))
+                                                   config_positions(hf_config, cfg.disable_sliding_window))
+        if cfg.disable_sliding_window:
+            hf_config.sliding_window = None  # every layer attends the full context
         torch.manual_seed(cfg.seed)
         self.hf_config = hf_config
         timer.mark("config")

@@ -123,14 +123,15 @@ static inline __attribute__((always_inline)) void kv_store_row(void *restrict ca
 /* Rows r = 0 .. num_rows-1 are the query heads first_kv_head * group + r, i.e. kv heads
  * [first_kv_head, first_kv_head + num_rows / group); row r reads kv head first_kv_head + r / group.
  * Blocks are walked in the outer loop and, inside a block, tokens before heads, so the block's
- * K and V rows are read front to back.
+ * K and V rows are read front to back. Positions [first_pos, seq_len) are attended (first_pos > 0
+ * under a sliding window): blocks before first_pos's are never touched (they may be freed).
  *
  * Always inlined so that each call with a constant head_dim (see the dispatch below) gets its own
  * copy with fixed trip counts: with a runtime head_dim every short inner loop re-checks aliasing
  * and peels, which cost more than the arithmetic (measured 1.3x on head_dim 64). */
 static inline __attribute__((always_inline)) void attend_rows(
     const float *restrict q, float *restrict out, const void *restrict k_cache,
-    const void *restrict v_cache, const int64_t *restrict blocks, int64_t seq_len,
+    const void *restrict v_cache, const int64_t *restrict blocks, int64_t first_pos, int64_t seq_len,
     int64_t first_kv_head, int64_t num_rows, int64_t group, int64_t num_kv_heads,
     const int64_t head_dim, int64_t block_size, float scale, float *restrict work, const int kind) {
     float *acc = work;                              /* [num_rows, head_dim] */
@@ -144,12 +145,13 @@ static inline __attribute__((always_inline)) void attend_rows(
         run_max[r] = -INFINITY;
         run_sum[r] = 0.0f;
     }
-    for (int64_t start = 0; start < seq_len; start += block_size) {
+    for (int64_t start = first_pos / block_size * block_size; start < seq_len; start += block_size) {
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        const int64_t t0 = first_pos > start ? first_pos - start : 0; /* window cut in this block */
         const int64_t base = blocks[start / block_size] * block_size * token_stride + first_kv_head * head_dim;
         /* Scores, token-outer: the block's K rows are read front to back (a head-outer walk
          * jumps token_stride bytes per read, which the hardware prefetcher follows poorly). */
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t0; t < n; ++t) {
             const char *kt = (const char *)k_cache + kv_elem_size(kind) * (base + t * token_stride);
             /* Ask for the V row now: K and V then stream from memory side by side, which
              * measured ~1.4x faster than reading V only after the block's scores. */
@@ -164,13 +166,13 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int64_t r = 0; r < num_rows; ++r) {
             float *p = probs + r * block_size;
             float blk_max = -INFINITY;
-            for (int64_t t = 0; t < n; ++t) blk_max = p[t] > blk_max ? p[t] : blk_max;
+            for (int64_t t = t0; t < n; ++t) blk_max = p[t] > blk_max ? p[t] : blk_max;
             const float new_max = blk_max > run_max[r] ? blk_max : run_max[r];
             /* 0 on the first block (run_max = -inf): acc and run_sum are still 0 then. */
             const float correction = run_max[r] == -INFINITY ? 0.0f : exp_clamped(run_max[r] - new_max);
             float blk_sum = 0.0f;
 #pragma omp simd reduction(+ : blk_sum)
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = t0; t < n; ++t) {
                 p[t] = exp_clamped(p[t] - new_max);
                 blk_sum += p[t];
             }
@@ -182,7 +184,7 @@ static inline __attribute__((always_inline)) void attend_rows(
                 for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
             }
         }
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t0; t < n; ++t) {
             const char *vt = (const char *)v_cache + kv_elem_size(kind) * (base + t * token_stride);
             for (int64_t r = 0; r < num_rows; ++r)
                 axpy_kv(acc + r * head_dim, probs[r * block_size + t], vt + kv_elem_size(kind) * (r / group) * head_dim,
@@ -197,23 +199,28 @@ static inline __attribute__((always_inline)) void attend_rows(
 
 /* For each decode i: q row rows[i] of q ([*, num_heads, head_dim], row stride q_row_stride
  * floats) attends over positions [0, seq_lens[i]) of the sequence whose block ids are
- * block_tables[i * table_width ...]; the result goes to the same row of out.
+ * block_tables[i * table_width ...], or with window > 0 over its last `window` positions only
+ * (a sliding window: entries before them are never read, so they may name freed blocks); the
+ * result goes to the same row of out.
  * Returns 0; -1 when scratch memory could not be allocated; -2 when a row is outside
- * [0, num_q_rows), or a sequence needs more blocks than its table row holds or names a block
- * outside [0, num_blocks) (nothing is read or written then). The public kernels below are this
- * body with the cache element type fixed. */
+ * [0, num_q_rows), or a sequence needs more blocks than its table row holds or names a block it
+ * reads outside [0, num_blocks) (nothing is read or written then). The public kernels below are
+ * this body with the cache element type fixed. */
+/* The first position a decode of context seq_len attends (window <= 0: no window). */
+#define FIRST_POS(seq_len) (window > 0 && (seq_len) > window ? (seq_len) - window : 0)
+
 static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, const int64_t *rows,
     int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks, const int64_t *block_tables,
     int64_t table_width, const int64_t *seq_lens, int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, const int kind) {
+    int64_t head_dim, int64_t block_size, float scale, int64_t window, const int kind) {
     const int64_t table_stride = table_width;
     if (num_decodes <= 0) return 0;
     for (int64_t i = 0; i < num_decodes; ++i) {
         if (rows[i] < 0 || rows[i] >= num_q_rows) return -2;
         const int64_t used = (seq_lens[i] + block_size - 1) / block_size;
         if (seq_lens[i] < 0 || used > table_width) return -2;
-        for (int64_t b = 0; b < used; ++b) {
+        for (int64_t b = FIRST_POS(seq_lens[i]) / block_size; b < used; ++b) {
             const int64_t id = block_tables[i * table_stride + b];
             if (id < 0 || id >= num_blocks) return -2;
         }
@@ -243,7 +250,8 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 const float *qi = q + rows[i] * q_row_stride + j0 * group * head_dim;
                 float *oi = out + rows[i] * out_row_stride + j0 * group * head_dim;
                 const int64_t *blocks = block_tables + i * table_stride;
-#define ATTEND(D) attend_rows(qi, oi, k_cache, v_cache, blocks, seq_lens[i], j0, (j1 - j0) * group, \
+#define ATTEND(D) attend_rows(qi, oi, k_cache, v_cache, blocks, FIRST_POS(seq_lens[i]), seq_lens[i], j0, \
+                              (j1 - j0) * group, \
                               group, num_kv_heads, D, block_size, scale, work, kind)
                 switch (head_dim) { /* the head sizes of common models get specialized loops */
                 case 64: ATTEND(64); break;
@@ -260,19 +268,25 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     }
     return failed ? -1 : 0;
 }
+#undef FIRST_POS
 
 #define DECODE_ARGS                                                                                        \
     const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, const int64_t *rows,           \
         int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks,                    \
         const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, int64_t num_decodes,      \
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale
-#define DECODE_CALL(KIND)                                                                                  \
+#define DECODE_CALL(WINDOW, KIND)                                                                          \
     paged_decode_attention(q, q_row_stride, out, out_row_stride, rows, num_q_rows, k_cache, v_cache,         \
                            num_blocks, block_tables, table_width, seq_lens, num_decodes, num_heads,         \
-                           num_kv_heads, head_dim, block_size, scale, KIND)
-int tidal_paged_decode_attention_f32(DECODE_ARGS) { return DECODE_CALL(KV_F32); }
-int tidal_paged_decode_attention_f16(DECODE_ARGS) { return DECODE_CALL(KV_F16); }
-int tidal_paged_decode_attention_bf16(DECODE_ARGS) { return DECODE_CALL(KV_BF16); }
+                           num_kv_heads, head_dim, block_size, scale, WINDOW, KIND)
+/* Full attention (the signature tests and benchmarks call directly). */
+int tidal_paged_decode_attention_f32(DECODE_ARGS) { return DECODE_CALL(0, KV_F32); }
+int tidal_paged_decode_attention_f16(DECODE_ARGS) { return DECODE_CALL(0, KV_F16); }
+int tidal_paged_decode_attention_bf16(DECODE_ARGS) { return DECODE_CALL(0, KV_BF16); }
+/* The same with a trailing sliding window (<= 0: none); the backend calls these. */
+int tidal_paged_decode_attention_sw_f32(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, KV_F32); }
+int tidal_paged_decode_attention_sw_f16(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, KV_F16); }
+int tidal_paged_decode_attention_sw_bf16(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, KV_BF16); }
 #undef DECODE_ARGS
 #undef DECODE_CALL
 

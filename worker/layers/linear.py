@@ -236,6 +236,20 @@ class RowParallelLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
 
+class ReplicatedLinear(LinearBase):
+    """Y = X A^T with the whole weight on every rank (e.g. an MoE router: every rank routes)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias)
+        self._make_params(output_size, input_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
 class _Rows:
     """Rows [offset, offset+length) of a loaded weight, itself sliceable like a safetensors slice,
     so fused checkpoints reuse the per-shard loaders without materializing the fused tensor."""

@@ -33,8 +33,8 @@ def rope_params_from_config(hf_config: Any) -> tuple[float, dict[str, Any] | Non
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    # Mirrors transformers' _compute_llama3_parameters: long wavelengths are divided by
-    # `factor`, short ones kept, the band between interpolated smoothly.
+    # As transformers' _compute_llama3_parameters: long wavelengths are divided by `factor`,
+    # short ones kept, the band between interpolated smoothly.
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling["low_freq_factor"])
     high_freq_factor = float(scaling["high_freq_factor"])
@@ -49,6 +49,90 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _exponents(dim: int) -> torch.Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(base: float, dim: int, scaling: dict[str, Any], original: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers' _compute_yarn_parameters: per dimension a blend of
+    the original frequency and the one divided by `factor`, ramped between the dimensions
+    that turn beta_fast and beta_slow times over the original context; cos/sin scaled by the
+    attention factor."""
+    factor = scaling.get("factor") or max_position / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                     if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** _exponents(dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
+def _longrope_attention(scaling: dict[str, Any], original: int, max_position: int) -> float:
+    factor = scaling.get("factor") or max_position / original
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_frequencies(rope_type: str, base: float, dim: int, scaling: dict[str, Any], max_position: int,
+                     original: int, num_positions: int) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(inv_freq, inv_freq from position `original` on or None, attention factor) of one RoPE
+    type, as transformers' ROPE_INIT_FUNCTIONS compute them. `max_position` is the config's
+    max_position_embeddings, `original` the pre-training context (original_max_position_embeddings,
+    else max_position), `num_positions` the positions the engine serves.
+
+    transformers picks "dynamic" and "longrope" frequencies per forward pass from the longest
+    sequence in it, with its cache keeping keys rotated by earlier choices: a batched engine
+    cannot reproduce that. "dynamic" is evaluated once, at the longest sequence served
+    (transformers' value for `num_positions` tokens; the engine serves max_position_embeddings
+    x factor, protocol/config.model_positions, so this is vLLM's table): it differs from
+    transformers for sequences transformers still leaves unscaled. "longrope" is chosen per position (short factors below `original`, long ones from
+    there on, as vLLM), which equals transformers for a sequence decoded token by token from a
+    prompt shorter than `original`."""
+    inv_freq = 1.0 / (base ** _exponents(dim))
+    if rope_type == "default":
+        return inv_freq, None, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"]), None, 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), None, 1.0
+    if rope_type == "dynamic":
+        factor = float(scaling["factor"])
+        seq_len = max(num_positions, max_position)
+        scaled = base * ((factor * seq_len / max_position) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (scaled ** _exponents(dim)), None, 1.0
+    if rope_type == "yarn":
+        inv_freq, attention = _yarn(base, dim, scaling, original, max_position)
+        return inv_freq, None, attention
+    if rope_type == "longrope":
+        short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base ** _exponents(dim))
+        long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base ** _exponents(dim))
+        return short, long, _longrope_attention(scaling, original, max_position)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are)")
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -57,28 +141,34 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         rope_scaling: dict[str, Any] | None = None,
+        original_max_position: int | None = None,
+        num_positions: int | None = None,
     ) -> None:
+        """`max_position`: the config's max_position_embeddings; `original_max_position`: the
+        pre-training context when the config holds it outside rope_scaling (Phi-3's top-level
+        original_max_position_embeddings); `num_positions`: positions served, if more than
+        max_position (a context extended by the scaling)."""
         super().__init__()
         if rotary_dim != head_size:
             raise NotImplementedError("partial rotary embeddings are not supported")
         self.head_size = head_size
         self.rotary_dim = rotary_dim
-        self.max_position = max_position
+        self.max_position = max(num_positions or max_position, max_position)  # rows of the tables
         self.base = base
         rope_type = "default" if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         self.rope_type = rope_type
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
-        elif rope_type == "linear":
-            inv_freq = inv_freq / float((rope_scaling or {})["factor"])
-        elif rope_type != "default":
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, llama3, linear are)")
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = t[:, None] * inv_freq[None, :].to(t.device)
-        # Half-width tables: the two halves of HF's cat((freqs, freqs)) are equal.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        scaling = rope_scaling or {}
+        original = int(scaling.get("original_max_position_embeddings") or original_max_position or max_position)
+        inv_freq, long_inv_freq, attention = rope_frequencies(rope_type, base, rotary_dim, scaling, max_position,
+                                                              original, self.max_position)
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = t[:, None] * inv_freq[None, :]
+        if long_inv_freq is not None:  # longrope: the long factors from the original context on
+            freqs[original:] = t[original:, None] * long_inv_freq[None, :]
+        # Half-width tables: the two halves of HF's cat((freqs, freqs)) are equal. HF scales
+        # cos and sin by the attention factor in float32 before casting, as here.
+        self.register_buffer("cos_cache", freqs.cos() * attention, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x*cos + rotate_half(x)*sin written per half; same roundings as HF's formula.

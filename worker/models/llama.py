@@ -7,13 +7,15 @@ from the forward context set by the model runner.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tidal.protocol.config import config_positions
+from tidal.protocol.sliding_window import layer_sliding_windows
 from tidal.worker.attention import Attention
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -73,11 +75,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
+# (config, layer index) -> the layer's feed-forward block, or None for the dense LlamaMLP
+# (mixture-of-experts families put their MoE block on some or all layers).
+MLPFactory = Callable[[Any, int], "nn.Module | None"]
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, opts: AttentionOptions) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, opts: AttentionOptions,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, opts)
-        self.mlp = LlamaMLP(
+        self.mlp = mlp if mlp is not None else LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             getattr(config, "hidden_act", "silu"),
@@ -100,14 +108,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, opts: AttentionOptions) -> None:
+    def __init__(self, config: Any, opts: AttentionOptions, make_mlp: MLPFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_theta, rope_scaling = rope_params_from_config(config)
-        self.rotary_emb = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        self.rotary_emb = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, rope_theta, rope_scaling,
+                                          getattr(config, "original_max_position_embeddings", None),
+                                          num_positions=config_positions(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, opts) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, self.rotary_emb, opts, make_mlp(config, i) if make_mlp else None)
+            for i in range(config.num_hidden_layers))
+        # Mistral / Qwen2 / Qwen3 sliding layers (the rule the engine core frees KV blocks by).
+        for layer, window in zip(self.layers, layer_sliding_windows(config), strict=True):
+            layer.self_attn.attn.sliding_window = window
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -135,14 +149,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config
-        window = getattr(hf_config, "sliding_window", None)
-        if window and (getattr(hf_config, "use_sliding_window", True)) and window < hf_config.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is ignored: attention is full-context (exact for sequences <= %d tokens)",
-                window,
-                window,
-            )
-        self.model = LlamaModel(hf_config, self._attention_options(hf_config))
+        self.model = LlamaModel(hf_config, self._attention_options(hf_config), self._make_mlp)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -152,6 +159,17 @@ class LlamaForCausalLM(nn.Module):
     def _attention_options(config: Any) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    @staticmethod
+    def _make_mlp(config: Any, layer_idx: int) -> nn.Module | None:
+        return None  # every layer dense
+
+    def _param_name(self, name: str) -> tuple[str, Any]:
+        """Checkpoint name -> (our parameter's name, shard id for its weight_loader)."""
+        for fused, original, shard_id in self.packed_modules_mapping:
+            if original in name:
+                return name.replace(original, fused), shard_id
+        return name, None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -168,12 +186,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy anyway
-            for fused, original, shard_id in self.packed_modules_mapping:
-                if original in name:
-                    param_name = name.replace(original, fused)
-                    break
-            else:
-                param_name, shard_id = name, None
+            param_name, shard_id = self._param_name(name)
             param = params.get(param_name)
             if param is None:
                 logger.warning("ignoring unexpected checkpoint weight %s", name)
