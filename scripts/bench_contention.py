@@ -55,7 +55,7 @@ def main() -> None:
         p.error("need 0 < --burn-ms <= --period-ms and --rounds >= 1")
 
     from tidal.frontend import LLM
-    from tidal.frontend.make_model import ensure_default_model
+    from tidal.frontend.entrypoints.make_model import ensure_default_model
     from tidal.protocol import SamplingParams
 
     model = args.model or ensure_default_model()

@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true")
     args = parser.parse_args()
     if args.model is None:
-        from tidal.frontend.make_model import ensure_default_model
+        from tidal.frontend.entrypoints.make_model import ensure_default_model
 
         args.model = ensure_default_model()
     cfg = EngineConfig(model=args.model, model_runner="null", max_num_seqs=args.streams,

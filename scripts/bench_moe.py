@@ -40,7 +40,7 @@ NUM_EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 768
 
 def make_moe_checkpoint(path: str) -> str:
     """bench_offline's model with its MLPs as 8 experts of width 768, top-2 (see above)."""
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     return make_model(path, arch="qwen3_moe", vocab_size=8192, hidden_size=512, num_layers=6,
                       num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 
 def make_checkpoint(path: str) -> str:
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     return make_model(path, arch="qwen3", vocab_size=8192, hidden_size=512, num_layers=6,
                       num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,

@@ -183,7 +183,7 @@ def server_steps(base: str) -> int:
 def start_server(model: str, port: int, engine_argv: list[str], log: Any,
                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`tidal serve` on 127.0.0.1:port; `env`: variables set for it on top of this process's."""
-    cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), *engine_argv]
     print("server:", *(f"{k}={v}" for k, v in (env or {}).items()), *cmd, flush=True)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -399,7 +399,7 @@ def prepare(args: argparse.Namespace) -> None:
         pass
     signal.signal(signal.SIGTERM, _sigterm)
     if args.model is None:
-        from tidal.frontend.make_model import ensure_default_model
+        from tidal.frontend.entrypoints.make_model import ensure_default_model
 
         args.model = ensure_default_model()
 

@@ -48,7 +48,7 @@ def child(model: str | None) -> None:
 
     engine_setup.load_tokenizer = timed_load
     if model is None:
-        from tidal.frontend.make_model import ensure_default_model
+        from tidal.frontend.entrypoints.make_model import ensure_default_model
 
         model = ensure_default_model()
     t_llm = time.time()
@@ -98,7 +98,7 @@ def sample_torch_import(env: dict[str, str]) -> float:
 
 def sample_generate(model: str | None, env: dict[str, str]) -> tuple[float, float]:
     """(seconds to the first stdout byte, seconds to exit) of `tidal generate`."""
-    cmd = [sys.executable, "-m", "tidal.frontend.cli", "generate", "--max-tokens", "8"]
+    cmd = [sys.executable, "-m", "tidal.frontend.entrypoints.cli", "generate", "--max-tokens", "8"]
     cmd += ["--model", model] if model else []
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)

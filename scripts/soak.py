@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         _record_blocks(blocks_used)
 
     from tidal.frontend import LLM
-    from tidal.frontend.make_model import ensure_default_model
+    from tidal.frontend.entrypoints.make_model import ensure_default_model
     from tidal.protocol import SamplingParams
 
     model = args.model or ensure_default_model()

@@ -40,7 +40,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from tidal.frontend.make_model import ensure_default_model
+        from tidal.frontend.entrypoints.make_model import ensure_default_model
 
         model = ensure_default_model()
     llm = LLM(model=model, max_model_len=max(512, args.max_prompt + 16), enable_prefix_caching=False, seed=0)

@@ -19,7 +19,7 @@ def tidal_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _make(out_dir: str, cache_dir: str, **kwargs: object) -> str:
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDAL_CACHE_DIR", cache_dir)

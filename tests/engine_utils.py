@@ -70,7 +70,7 @@ def model_path(name: str) -> str:
     """Path of the checkpoint `name` (made on first use, in a temp dir removed at exit)."""
     global _model_dir
     if name not in _paths:
-        from tidal.frontend.make_model import make_model
+        from tidal.frontend.entrypoints.make_model import make_model
 
         if _model_dir is None:
             _model_dir = tempfile.mkdtemp(prefix="tidal-engine-tests-")

@@ -26,7 +26,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 class Server:
-    """`python -m tidal.frontend.cli serve MODEL ARGS` on 127.0.0.1; `stop()` always reaps it."""
+    """`python -m tidal.frontend.entrypoints.cli serve MODEL ARGS` on 127.0.0.1; `stop()` always reaps it."""
 
     def __init__(self, model: str, args: list[str], cache_dir: str, env: dict[str, str] | None = None,
                  healthy: Callable[[Server], bool] | None = None) -> None:
@@ -35,7 +35,7 @@ class Server:
         self.port = free_port()
         self._healthy = healthy or (lambda srv: http_get(srv.url + "/health")[0] == 200)
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", model, "--port", str(self.port),
                "--disable-uvicorn-access-log", *args]
         full_env = {k: v for k, v in os.environ.items() if k != "TIDAL_API_KEY"}
         full_env.update(TIDAL_CACHE_DIR=cache_dir, **(env or {}))

@@ -7,13 +7,13 @@ import subprocess
 import sys
 from typing import Any
 
-from tidal.frontend.cli import build_parser
+from tidal.frontend.entrypoints.cli import build_parser
 from tidal.frontend.engine_args import config_from_args
 
 
 def tidal(args: list[str], cache_dir: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, TIDAL_CACHE_DIR=cache_dir)
-    return subprocess.run([sys.executable, "-m", "tidal.frontend.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 

@@ -54,7 +54,7 @@ async def wait_until_idle(engine: AsyncLLM, timeout_s: float = 10.0) -> Any:
 def headless_core(long_model_dir: str) -> Iterator[tuple[str, subprocess.Popen]]:
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     proc = subprocess.Popen([
-        sys.executable, "-m", "tidal.frontend.cli", "core", long_model_dir, "--address", address,
+        sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core", long_model_dir, "--address", address,
         "--model-runner", "null", "--max-model-len", "65536", "--max-num-seqs", "16",
     ])
     try:
@@ -128,7 +128,7 @@ async def test_headless_core_front_ends_come_and_go(headless_core: tuple[str, su
 
 
 def test_headless_core_rejects_wildcard_address(long_model_dir: str) -> None:
-    res = subprocess.run([sys.executable, "-m", "tidal.frontend.cli", "core", long_model_dir,
+    res = subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core", long_model_dir,
                           "--address", "tcp://0.0.0.0:5999", "--model-runner", "null"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "wildcard" in res.stderr

@@ -286,7 +286,7 @@ async def test_restart_budget_then_engine_dead_error(long_model_dir: str, no_orp
 
 
 def start_headless_core(model: str, address: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tidal.frontend.cli", "core", model, "--address", address,
+    return subprocess.Popen([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core", model, "--address", address,
                              "--no-enable-prefix-caching", *extra])
 
 
@@ -357,7 +357,7 @@ async def test_frozen_headless_core_fails_streams_within_the_bound(long_model_di
 
 @pytest.fixture(scope="module")
 def tp_model_dir(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> str:
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDAL_CACHE_DIR", tidal_cache_dir)

@@ -64,14 +64,14 @@ def _write(path: str, text: str) -> None:
 
 def test_keygen_writes_an_owner_only_file_and_never_overwrites(tmp_path: Any) -> None:
     path = str(tmp_path / "core.key")
-    res = subprocess.run([sys.executable, "-m", "tidal.frontend.cli", "core-keygen", path],
+    res = subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core-keygen", path],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert os.stat(path).st_mode & 0o777 == 0o600
     key = load_key_file(path, server=True)
     assert len({key.server_public_key, key.server_secret_key, key.client_public_key, key.client_secret_key}) == 4
     before = _read(path)
-    res = subprocess.run([sys.executable, "-m", "tidal.frontend.cli", "core-keygen", path],
+    res = subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core-keygen", path],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "exists" in res.stderr
     assert _read(path) == before
@@ -114,7 +114,7 @@ def test_headless_core_refuses_a_keyless_non_loopback_bind(long_model_dir: str) 
     """Both ways of starting a headless core refuse, before loading anything."""
     address = f"tcp://{_non_loopback_ipv4() or '192.0.2.7'}:{free_tcp_port()}"
     config = EngineConfig(model=long_model_dir, model_runner="null").to_json().decode()
-    for cmd in (["-m", "tidal.frontend.cli", "core", long_model_dir, "--model-runner", "null"],
+    for cmd in (["-m", "tidal.frontend.entrypoints.cli", "core", long_model_dir, "--model-runner", "null"],
                 ["-m", "tidal.core.core_proc", "--config-json", config]):
         res = subprocess.run([sys.executable, *cmd, "--address", address],
                              capture_output=True, text=True, timeout=120)
@@ -138,7 +138,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def keyed_core(long_model_dir: str, keys: tuple[str, str]) -> Iterator[str]:
     """A keyed `tidal core`, on this host's non-loopback address when it has one."""
     address = f"tcp://{_non_loopback_ipv4() or '127.0.0.1'}:{free_tcp_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.frontend.cli", "core", long_model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core", long_model_dir,
                              "--address", address, "--key-file", keys[0], "--model-runner", "null",
                              "--max-model-len", "65536", "--max-num-seqs", "16"])
     try:

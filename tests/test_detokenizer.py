@@ -13,7 +13,7 @@ from tidal.frontend.detokenizer import (
     IncrementalDetokenizer,
     SlowIncrementalDetokenizer,
 )
-from tidal.frontend.make_model import training_corpus
+from tidal.frontend.entrypoints.make_model import training_corpus
 from tidal.protocol.messages import EngineCoreRequest
 from tidal.protocol.sampling_params import SamplingParams
 

@@ -30,7 +30,7 @@ EXIT_TIMEOUT_S = 120.0
 
 def start_core(model: str, drain_timeout_s: float) -> tuple[str, subprocess.Popen]:
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.frontend.cli", "core", model, "--address", address,
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core", model, "--address", address,
                              "--model-runner", "null", "--max-model-len", "65536", "--max-num-seqs", "16",
                              "--drain-timeout-s", str(drain_timeout_s)])
     return address, proc

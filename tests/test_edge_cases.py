@@ -42,7 +42,7 @@ from engine_utils import (
 from fault_injection import use_prompt_logprobs_fault
 from tidal.core.engine_core import EngineCore
 from tidal.frontend import LLM
-from tidal.frontend.openai.serving_base import ServingContext
+from tidal.frontend.entrypoints.openai.serving_base import ServingContext
 from tidal.protocol import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from tidal.protocol.messages import EngineCoreRequest, ErrorKind, FinishReason
 
@@ -114,7 +114,7 @@ def test_the_core_applies_the_same_bound(core: EngineCore) -> None:
 def test_the_servers_bound() -> None:
     """The OpenAI routes' max_tokens resolution (vLLM's rule and words): a prompt of
     max_model_len - 1 leaves one token (None: the engine fills it in); one more is a 400."""
-    from tidal.frontend.openai.errors import APIError
+    from tidal.frontend.entrypoints.openai.errors import APIError
 
     ctx: Any = SimpleNamespace(max_model_len=L)
     assert ServingContext.resolve_max_tokens(ctx, L - 1, None) is None

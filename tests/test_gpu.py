@@ -49,7 +49,7 @@ CORE_DEFAULTS = dict(device=DEV, max_num_seqs=32, max_model_len=256, block_size=
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> dict[str, str]:
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     out: dict[str, str] = {}
     with pytest.MonkeyPatch.context() as mp:

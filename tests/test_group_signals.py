@@ -38,7 +38,7 @@ IN_FLIGHT_AT_SHUTDOWN = "Waiting for connections to close"
 @pytest.fixture(scope="module")
 def tp_model_dir(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> str:
     """A real (tiny, random) model that splits over two ranks: a server with TP=2 workers."""
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDAL_CACHE_DIR", tidal_cache_dir)
@@ -113,7 +113,7 @@ class GroupProcess:
 
 def start_server(model: str, flags: list[str], log_path: str, cache_dir: str) -> tuple[GroupProcess, int]:
     port = free_port()
-    srv = GroupProcess([sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--port", str(port),
+    srv = GroupProcess([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", model, "--port", str(port),
                         "--disable-uvicorn-access-log", *flags], log_path, cache_dir)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:

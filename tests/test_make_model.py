@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tidal.frontend import make_model as mm
+from tidal.frontend.entrypoints import make_model as mm
 
 
 @pytest.fixture(autouse=True, scope="module")

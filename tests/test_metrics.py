@@ -369,7 +369,7 @@ async def test_server_logs_one_stats_line_per_interval(caplog: pytest.LogCapture
     import asyncio
     from types import SimpleNamespace
 
-    from tidal.frontend.openai.api_server import _log_stats
+    from tidal.frontend.entrypoints.openai.api_server import _log_stats
 
     interval = 0.2
     metrics = EngineMetrics("m", 10, log_interval_s=interval)

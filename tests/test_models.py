@@ -17,7 +17,7 @@ from tidal.worker.attention import Attention, AttentionMetadata, set_forward_con
 from tidal.worker.layers.gemm import PanelWeight, half_storage_enabled
 from tidal.worker.layers.linear import LinearBase
 from tidal.worker.loader import load_model, resolve_dtype
-from tidal.frontend.make_model import make_model
+from tidal.frontend.entrypoints.make_model import make_model
 from tidal.worker.models.registry import MODEL_REGISTRY, get_model_class
 
 ATOL = 1e-4

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tidal.frontend.make_model import make_model
+from tidal.frontend.entrypoints.make_model import make_model
 from tidal.worker.layers.fused_moe import FusedMoE
 from tidal.worker.layers.gemm import half_storage_enabled
 from tidal.worker.loader import load_model

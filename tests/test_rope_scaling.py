@@ -99,7 +99,7 @@ MODEL_TYPES = ["linear", "yarn-deepseek", "llama3", "longrope"]
 
 @pytest.fixture(scope="module")
 def rope_models(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> dict[str, str]:
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     out = {}
     with pytest.MonkeyPatch.context() as mp:

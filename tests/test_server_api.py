@@ -301,8 +301,8 @@ def test_chat_renders_off_the_event_loop(tiny_model_dir: str) -> None:
     import threading
     from types import SimpleNamespace
 
-    from tidal.frontend.openai.serving_base import ServingContext
-    from tidal.frontend.openai.serving_chat import render_chat
+    from tidal.frontend.entrypoints.openai.serving_base import ServingContext
+    from tidal.frontend.entrypoints.openai.serving_chat import render_chat
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -333,7 +333,7 @@ def test_random_request_bodies_never_break_the_server(server: Server) -> None:
     import msgspec
 
     from tests.server_utils import http_request
-    from tidal.frontend.openai import protocol as P
+    from tidal.frontend.entrypoints.openai import protocol as P
 
     rng = random.Random(0)
     kinds = [("/v1/completions", P.CompletionRequest, {"model": "tiny", "prompt": "hi", "max_tokens": 2}),

@@ -1,4 +1,4 @@
-"""vLLM's server flags beyond the basic ones (frontend/openai/server_flags.py), on real sockets:
+"""vLLM's server flags beyond the basic ones (frontend/entrypoints/openai/server_flags.py), on real sockets:
 CORS, X-Request-Id, --middleware, --response-role, the chat content format and default template
 kwargs, forced usage chunks, HTTPS, a Unix socket; refused and malformed flags fail before the
 engine starts, with one line naming the flag."""
@@ -106,7 +106,7 @@ def test_response_role_content_format_and_template_kwargs(server: Server, tiny_m
 
 
 def test_access_log_filter_drops_only_the_listed_paths() -> None:
-    from tidal.frontend.openai.server_flags import filter_access_log
+    from tidal.frontend.entrypoints.openai.server_flags import filter_access_log
 
     log = logging.getLogger("uvicorn.access")
     kept: list[str] = []
@@ -167,8 +167,8 @@ def test_logging_config_file_applies_in_every_tidal_process(tmp_path: os.PathLik
     (["--tool-parser-plugin", "my.plugin"], "--tool-parser-plugin: tidal does not support tool calling"),
 ])
 def test_refused_and_malformed_server_flags(flags: list[str], expected: str) -> None:
-    from tidal.frontend.cli import build_parser
-    from tidal.frontend.openai.server_flags import check_server_flags
+    from tidal.frontend.entrypoints.cli import build_parser
+    from tidal.frontend.entrypoints.openai.server_flags import check_server_flags
 
     with pytest.raises(ValueError, match=re.escape(expected)):
         check_server_flags(build_parser().parse_args(["serve", "m", *flags]))
@@ -176,12 +176,12 @@ def test_refused_and_malformed_server_flags(flags: list[str], expected: str) -> 
 
 def test_a_refused_flag_stops_tidal_serve_before_the_engine(tiny_model_dir: str, tidal_cache_dir: str) -> None:
     env = {**os.environ, "TIDAL_CACHE_DIR": tidal_cache_dir}
-    proc = subprocess.run([sys.executable, "-m", "tidal.frontend.cli", "serve", tiny_model_dir, "--port", "1",
+    proc = subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", tiny_model_dir, "--port", "1",
                            "--lora-modules", "a=/tmp/a"], capture_output=True, text=True, timeout=120, env=env, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "tidal serve: error: ValueError: --lora-modules: tidal does not support LoRA adapters"], proc.stderr
-    bad = subprocess.run([sys.executable, "-m", "tidal.frontend.cli", "serve", tiny_model_dir,
+    bad = subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", tiny_model_dir,
                           "--allowed-origins", "*"], capture_output=True, text=True, timeout=120, env=env, check=False)
     assert bad.returncode == 2 and "argument --allowed-origins: not a JSON list" in bad.stderr
 

@@ -88,9 +88,9 @@ def test_which_engines_the_loop_yields_to() -> None:
     script = textwrap.dedent("""
         import json, logging, os, types
         from tidal.frontend import priority
-        from tidal.frontend.openai.api_server import yield_to_cpu_engine
+        from tidal.frontend.entrypoints.openai.api_server import yield_to_cpu_engine
         warnings = []
-        logging.getLogger("tidal.frontend.openai.api_server").addHandler(
+        logging.getLogger("tidal.frontend.entrypoints.openai.api_server").addHandler(
             type("H", (logging.Handler,), {"emit": lambda self, r: warnings.append(r.levelname)})())
         def engine(address=None, device="cpu"):
             return types.SimpleNamespace(config=types.SimpleNamespace(core_address=address),
@@ -168,7 +168,7 @@ def test_server_nice_zero_keeps_the_priority(tiny_model_dir: str, tidal_cache_di
 def test_bad_server_nice_is_refused_at_start(tiny_model_dir: str, tidal_cache_dir: str,
                                                         value: str) -> None:
     env = {**os.environ, "TIDAL_CACHE_DIR": tidal_cache_dir, "TIDAL_SERVER_NICE": value}
-    out = subprocess.run([sys.executable, "-m", "tidal.frontend.cli", "serve", tiny_model_dir, *FLAGS,
+    out = subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", tiny_model_dir, *FLAGS,
                           "--port", "1"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert f"TIDAL_SERVER_NICE must be an integer in [0, 19], got '{value}'" in out.stderr

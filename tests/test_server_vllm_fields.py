@@ -253,9 +253,9 @@ def test_api_key_forms_and_ping(server: Server) -> None:
 def test_api_keys_must_not_be_empty() -> None:
     from starlette.applications import Starlette
 
-    from tidal.frontend.cli import build_parser
-    from tidal.frontend.openai.api_server import APIKeyMiddleware
-    from tidal.frontend.openai.server_flags import check_server_flags
+    from tidal.frontend.entrypoints.cli import build_parser
+    from tidal.frontend.entrypoints.openai.api_server import APIKeyMiddleware
+    from tidal.frontend.entrypoints.openai.server_flags import check_server_flags
 
     with pytest.raises(ValueError, match="--api-key: an empty key"):
         check_server_flags(build_parser().parse_args(["serve", "m", "--api-key", "k", ""]))

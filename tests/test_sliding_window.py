@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 from engine_utils import (  # noqa: E402
     assert_all_blocks_free, assert_greedy_equal, check_logprobs, greedy, hf_generate, hf_log_softmax, make_core,
     random_prompt, req, run_to_completion)
-from tidal.frontend.make_model import make_model  # noqa: E402
+from tidal.frontend.entrypoints.make_model import make_model  # noqa: E402
 from tidal.protocol.sliding_window import kv_sliding_window, layer_sliding_windows  # noqa: E402
 from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
 from tidal.worker.cpu_kernels import cpu_kernels  # noqa: E402

@@ -156,7 +156,7 @@ def test_lean_tokenizer_declines_what_it_does_not_reproduce(tiny_model_dir: str,
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_plain_config_reads_as_autoconfig(tidal_cache_dir: str, tmp_path, arch: str) -> None:  # type: ignore[no-untyped-def]
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
     from tidal.worker.layers.rotary import rope_params_from_config
     from tidal.worker.loader import resolve_dtype
 

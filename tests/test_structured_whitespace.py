@@ -96,7 +96,7 @@ def whitespace_runs(text: str) -> list[int]:
 def code_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     tok_dir = str(tmp_path_factory.mktemp("code-tokenizer"))
     tok = Tokenizer(models.BPE())

@@ -62,7 +62,7 @@ MAX_TOKENS = [20, 14, 24, 18, 22, 16]
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str) -> dict[str, str]:
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     out = {}
     with pytest.MonkeyPatch.context() as mp:
@@ -422,7 +422,7 @@ def test_llm_and_cli_tp2_match_tp1(model_dirs: dict[str, str]) -> None:
     prompts = ["hello world", "the quick brown fox", "tensor parallel"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     engine_args = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "96", "--num-kv-blocks", "64"]
-    cli = subprocess.Popen([sys.executable, "-m", "tidal.frontend.cli", "generate", "--model", model,
+    cli = subprocess.Popen([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "generate", "--model", model,
                             "--prompt", prompts[0], "--max-tokens", "12", "--temperature", "0",
                             "--ignore-eos", "-tp", "2", *engine_args],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -21,7 +21,7 @@ import pytest
 from tidal.frontend.detokenizer import IncrementalDetokenizer
 from tidal.frontend.engine_setup import load_tokenizer
 from tidal.frontend.input_processor import InputProcessor
-from tidal.frontend.make_model import training_corpus
+from tidal.frontend.entrypoints.make_model import training_corpus
 from tidal.frontend.tokenizer import LeanTokenizer, load_lean_tokenizer
 from tidal.protocol.config import SUPPORTED_ARCHITECTURES, EngineConfig
 from tidal.protocol.messages import EngineCoreRequest
@@ -113,7 +113,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
                 verdict_cache: str) -> dict[str, str]:
     """name -> checkpoint dir: each model type as make_model writes it, plus variants whose
     tokenizer files transformers turns into another pipeline."""
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     root = tmp_path_factory.mktemp("parity")
     dirs: dict[str, str] = {}

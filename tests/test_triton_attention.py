@@ -348,7 +348,7 @@ def test_tiny_model_greedy_matches_transformers(tmp_path: Any, tidal_cache_dir: 
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
     from tidal.worker.loader import load_model
 
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from tidal.frontend.engine_args import AsyncEngineArgs
-from tidal.frontend.openai.server_flags import add_server_flags
+from tidal.frontend import AsyncEngineArgs
+from tidal.frontend.entrypoints.openai.server_flags import add_server_flags
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "TIDAL_API_KEY"

@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from tidal.frontend.chat_utils import content_text
-from tidal.frontend.chat_utils import normalize_messages as normalize_chat
-from tidal.frontend.openai.errors import APIError
-from tidal.frontend.openai.protocol import (
+from tidal.frontend import content_text
+from tidal.frontend import normalize_messages as normalize_chat
+from tidal.frontend.entrypoints.openai.errors import APIError
+from tidal.frontend.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,7 +32,7 @@ from tidal.frontend.openai.protocol import (
     UsageChunk,
     UsageInfo,
 )
-from tidal.frontend.openai.serving_base import (
+from tidal.frontend.entrypoints.openai.serving_base import (
     DONE,
     ServingContext,
     SSEResponse,

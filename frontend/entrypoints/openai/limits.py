@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from tidal.frontend.openai.errors import APIError
-from tidal.frontend.openai.protocol import SamplingFields
+from tidal.frontend.entrypoints.openai.errors import APIError
+from tidal.frontend.entrypoints.openai.protocol import SamplingFields
 from tidal.protocol import envs
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from tidal.frontend.input_processor import plain_token_ids
-from tidal.frontend.openai.errors import APIError
-from tidal.frontend.openai.protocol import (
+from tidal.frontend import plain_token_ids
+from tidal.frontend.entrypoints.openai.errors import APIError
+from tidal.frontend.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
@@ -26,7 +26,7 @@ from tidal.frontend.openai.protocol import (
     UsageChunk,
     UsageInfo,
 )
-from tidal.frontend.openai.serving_base import (
+from tidal.frontend.entrypoints.openai.serving_base import (
     DONE,
     ServingContext,
     SSEResponse,

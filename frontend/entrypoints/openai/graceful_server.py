@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
-from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend import AsyncLLM
 from tidal.protocol.errors import EngineDeadError
 
-logger = logging.getLogger("tidal.frontend.openai.api_server")
+logger = logging.getLogger("tidal.frontend.entrypoints.openai.api_server")
 
 # After --shutdown-timeout aborted what was left, how long its streams get to write their last
 # chunk and `data: [DONE]` before uvicorn cancels them anyway (a client that stopped reading):

@@ -18,17 +18,17 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
-from tidal.frontend.async_llm import AsyncLLM
-from tidal.frontend.openai.errors import APIError, ErrorResponse, from_exception
-from tidal.frontend.openai.limits import RequestSizeLimits
-from tidal.frontend.openai.protocol import (
+from tidal.frontend import AsyncLLM
+from tidal.frontend.entrypoints.openai.errors import APIError, ErrorResponse, from_exception
+from tidal.frontend.entrypoints.openai.limits import RequestSizeLimits
+from tidal.frontend.entrypoints.openai.protocol import (
     PromptLogprob,
     PromptLogprobs,
     SamplingFields,
     StreamHeader,
     UsageInfo,
 )
-from tidal.frontend.tokenizer import LONG_TEXT_CHARS, check_prompt_chars, prompt_char_limit
+from tidal.frontend import LONG_TEXT_CHARS, check_prompt_chars, prompt_char_limit
 from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tidal.protocol.structured_outputs import CONSTRAINTS, StructuredOutputsParams

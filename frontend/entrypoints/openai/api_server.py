@@ -35,13 +35,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from tidal import __version__
-from tidal.frontend.async_llm import AsyncLLM
-from tidal.frontend.engine_args import AsyncEngineArgs
-from tidal.frontend.openai.cli_args import load_chat_template
-from tidal.frontend.openai.errors import APIError, from_exception
-from tidal.frontend.openai.graceful_server import ABORT_GRACE_S, GracefulServer
-from tidal.frontend.openai.limits import RequestSizeLimits
-from tidal.frontend.openai.protocol import (
+from tidal.frontend import AsyncEngineArgs, AsyncLLM
+from tidal.frontend.entrypoints.openai.cli_args import load_chat_template
+from tidal.frontend.entrypoints.openai.errors import APIError, from_exception
+from tidal.frontend.entrypoints.openai.graceful_server import ABORT_GRACE_S, GracefulServer
+from tidal.frontend.entrypoints.openai.limits import RequestSizeLimits
+from tidal.frontend.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -52,7 +51,7 @@ from tidal.frontend.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from tidal.frontend.openai.server_flags import (
+from tidal.frontend.entrypoints.openai.server_flags import (
     add_app_middleware,
     apply_log_config,
     check_server_flags,
@@ -60,10 +59,10 @@ from tidal.frontend.openai.server_flags import (
     remove_uds,
     uvicorn_kwargs,
 )
-from tidal.frontend.openai.serving_base import ChatOptions, ClientGone, ServingContext
-from tidal.frontend.openai.serving_chat import ChatHandler, render_chat
-from tidal.frontend.openai.serving_completions import CompletionsHandler
-from tidal.frontend.priority import lower_thread_priority
+from tidal.frontend.entrypoints.openai.serving_base import ChatOptions, ClientGone, ServingContext
+from tidal.frontend.entrypoints.openai.serving_chat import ChatHandler, render_chat
+from tidal.frontend.entrypoints.openai.serving_completions import CompletionsHandler
+from tidal.frontend import lower_thread_priority
 from tidal.protocol import envs
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.utils import omp_wait_is_tidals
@@ -281,7 +280,7 @@ def engine_args_from(args: Any) -> AsyncEngineArgs:
     the embedded default model)."""
     model = args.model or args.model_flag
     if model is None:
-        from tidal.frontend.make_model import ensure_default_model
+        from tidal.frontend.entrypoints.make_model import ensure_default_model
 
         model = ensure_default_model()
         logger.warning("no model given, so this serves tidal's embedded default model (%s); its "

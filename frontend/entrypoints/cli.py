@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from tidal.frontend.engine_args import EngineArgs, config_from_args
+from tidal.frontend import EngineArgs, config_from_args
 from tidal.protocol.utils import setup_logging
 
 DEFAULT_CORE_ADDRESS = "tcp://127.0.0.1:5570"
@@ -27,12 +27,12 @@ _MAKE_MODEL_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from tidal.frontend.async_llm import AsyncLLM
+    from tidal.frontend import AsyncLLM
     from tidal.protocol import RequestOutputKind, SamplingParams
 
     model = args.model
     if model is None:
-        from tidal.frontend.make_model import ensure_default_model
+        from tidal.frontend.entrypoints.make_model import ensure_default_model
 
         model = ensure_default_model()
         print(f"note: no --model given, so this uses tidal's embedded default model ({model}). "
@@ -63,7 +63,7 @@ def _run_loop(coro: asyncio.Future[None] | object) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from tidal.frontend.openai.api_server import run_server
+    from tidal.frontend.entrypoints.openai.api_server import run_server
 
     logging.getLogger("tidal").setLevel(logging.INFO)  # the startup line and the stats log
     _run_loop(run_server(args))
@@ -103,7 +103,7 @@ def _cmd_core_keygen(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from tidal.frontend.make_model import make_model
+    from tidal.frontend.entrypoints.make_model import make_model
 
     kwargs = {k: v for k in (*_MAKE_MODEL_INTS, "dtype") if (v := getattr(args, k)) is not None}
     path = make_model(args.dir, args.arch, **kwargs)
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (vLLM's `vllm serve`)")
-    from tidal.frontend.openai.cli_args import add_serve_args
+    from tidal.frontend.entrypoints.openai.cli_args import add_serve_args
 
     add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
