@@ -17,7 +17,7 @@ Threads and sockets (a ZMQ socket is only ever used by one thread):
 * ZMTP heartbeats (set before bind, see zmq_utils.Heartbeat): a front-end whose host froze or
   vanished without a FIN loses its connection within `heartbeat_timeout_s`, and the next
   output for it fails with EHOSTUNREACH like any disconnect.
-* CURVE (a headless core with a key file, see protocol/curve.py): the ROUTER is a CURVE
+* CURVE (a headless core with a key file, see tidal_pkg/utils/curve.py): the ROUTER is a CURVE
   server and a ZAP handler thread admits only the key file's client key; a front-end without
   it never gets a message through. Binding off loopback without a key file is refused.
 * Back-pressure: `send()` blocks while _MAX_IN_FLIGHT messages are between the busy loop and the
@@ -47,8 +47,8 @@ from tidal.protocol.messages import (
     FinishReason,
     UtilityRequest,
 )
-from tidal.protocol.curve import check_bind_security, load_key_file, server_curve, start_authenticator
-from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES, Heartbeat, make_socket, validate_address
+from tidal.utils.curve import check_bind_security, load_key_file, server_curve, start_authenticator
+from tidal.utils.zmq_utils import MAX_MESSAGE_BYTES, Heartbeat, make_socket, validate_address
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator

@@ -22,7 +22,7 @@ same clean shutdown. A spawned core obeys the SIGTERM/SIGINT its front-end sends
 one from anyone else while the front-end lives is the whole process group's (`timeout`,
 systemd, Ctrl-C): the front-end got it too and is draining its streams, so the core keeps
 serving them until the front-end stops it (a second such signal stops it at once). A keyed
-core (`key_file`) serves only front-ends holding its CURVE key (protocol/curve.py).
+core (`key_file`) serves only front-ends holding its CURVE key (tidal_pkg/utils/curve.py).
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ from tidal.protocol.messages import (
     UtilityRequest,
     encode_utility_result,
 )
-from tidal.protocol.process import GROUP_SIGNALS, exit_with_parent, unblock_group_signals, watch_signals
-from tidal.protocol.utils import setup_logging, summarize_exception
+from tidal.utils.logging_utils import setup_logging, summarize_exception
+from tidal.utils.process import GROUP_SIGNALS, exit_with_parent, unblock_group_signals, watch_signals
 
 logger = logging.getLogger("tidal.core.core_proc")
 
@@ -285,7 +285,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 class _GroupSignalFilter:
-    """A spawned core's SIGTERM/SIGINT by sender (protocol/process.py's watch_signals). Its
+    """A spawned core's SIGTERM/SIGINT by sender (tidal_pkg/utils/process.py's watch_signals). Its
     front-end's, or any once the front-end is gone, go on to `on_stop` in the main thread as
     if delivered there. The first from anyone else while the front-end lives is taken for the
     process group's shutdown signal, which the front-end got too: it drains its streams, which
@@ -337,7 +337,7 @@ def _install_signal_handlers(proc_ref: list[EngineCoreProc | None], parent_pid: 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     if parent_pid is not None:
-        # The front-end started this process with them blocked (protocol/process.py); the
+        # The front-end started this process with them blocked (tidal_pkg/utils/process.py); the
         # watcher starts after on_stop is in place, which the filter hands signals on to.
         watch_signals(GROUP_SIGNALS, _GroupSignalFilter(proc_ref, parent_pid), "tidal-core-signals")
         signal.signal(signal.SIGUSR1, on_parent_signal)
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, default=None)
     parser.add_argument("--error-file", default=None, help="where to write the start-up error")
     parser.add_argument("--cleanup-dir", default=None, help="directory to remove on exit")
-    parser.add_argument("--key-file", default=None, help="CURVE key file (protocol/curve.py)")
+    parser.add_argument("--key-file", default=None, help="CURVE key file (tidal_pkg/utils/curve.py)")
     parser.add_argument("--drain-timeout-s", type=float, default=None,
                         help="on SIGTERM, finish in-flight requests for up to this long first")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from tidal.protocol.utils import Deadline
+from tidal.utils.deadline import Deadline
 
 logger = logging.getLogger("tidal.core.core_proc")
 

@@ -17,10 +17,10 @@ Invariants:
 - Before the forward pass of a request's first step on this core, its front-end gets a
   "started" output (no tokens, its SCHEDULED event) through `announce` when one is given (the
   core process sends it at once): a core that vanishes mid-step names no failing step, and the
-  front-end then blames only the requests it knows had started (resume_after_crash).
+  front-end then blames only the requests it knows had started (frontend/recovery.py triage).
 - A step that raises leaves `_step_in_flight` set: `failed_step_request_ids` then names each
   front-end's requests that were in it, for the `engine_dead` message (the front-end
-  quarantines them on the next core, OutputProcessor.resume_after_crash).
+  quarantines them on the next core: frontend/recovery.py triage).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from tidal.protocol.messages import (
     SchedulerOutput,
 )
 from tidal.protocol.request_rules import RequestLimits, check_request
-from tidal.protocol.utils import summarize_exception
+from tidal.utils.logging_utils import summarize_exception
 
 logger = logging.getLogger(__name__)
 _GRAMMAR_POLL_S = 0.05  # longest sleep of an idle step waiting for a grammar (inputs wait meanwhile)

@@ -13,7 +13,7 @@ import numpy as np
 
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, read_model_limits, resolve_max_model_len
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
-from tidal.protocol.utils import max_useful_kv_blocks
+from tidal.protocol.sizing import max_useful_kv_blocks
 
 
 class Executor(ABC):

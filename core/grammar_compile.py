@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from tidal.protocol.process import SpawnerThread, exit_with_parent
-from tidal.protocol.utils import Deadline
+from tidal.utils.deadline import Deadline
+from tidal.utils.process import SpawnerThread, exit_with_parent
 
 logger = logging.getLogger(__name__)
 

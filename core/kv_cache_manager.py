@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from tidal.core.block_pool import BlockPool, KVCacheBlock, update_block_hashes
 from tidal.core.request import Request
-from tidal.protocol.utils import cdiv
+from tidal.protocol.sizing import cdiv
 
 # Placeholder for a position whose block was released behind the sliding window; no pool
 # block (never ref-counted, never cached). The worker gets WORKER_SKIPPED_ID in its place.

@@ -29,9 +29,11 @@ from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from tidal.protocol.config import ResolvedEngineInfo
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerFrame
-from tidal.protocol.process import SpawnerThread, listen_socket, stop_processes, wait_all
-from tidal.protocol.utils import Deadline, threads_per_rank
-from tidal.protocol.zmq_utils import IpcDir
+from tidal.utils.deadline import Deadline
+from tidal.utils.network import listen_socket
+from tidal.utils.openmp import threads_per_rank
+from tidal.utils.process import SpawnerThread, stop_processes, wait_all
+from tidal.utils.zmq_utils import IpcDir
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Quarantine: requests suspected of crashing the engine run each in a step of its own.
 
 After a crash the front-end resubmits the requests that were in the step that failed as
-`quarantined` (OutputProcessor.resume_after_crash): one of them may have caused it, the others
+`quarantined` (frontend/recovery.py triage): one of them may have caused it, the others
 only shared its step. The scheduler runs a quarantined request alone -- no other request in
 its steps -- until it produces a token (its first progress), then lifts the quarantine and it
 runs as any other. A crash while it runs alone is then its own, and sharing a step with a
@@ -15,9 +15,10 @@ Invariants:
   one admitted) and a step of the other requests, so both make progress; a turn with nothing to
   run passes to the other kind within the same step. The first step of a core with quarantined
   requests is a solo step (the front-end sends the strongest suspects first).
-- In a step of the others, quarantined requests are held out of `running` (their seats still
-  count against max_num_seqs, and they are not preemption victims) and out of `waiting`, and are
-  put back afterwards (running: at the tail; waiting: at the head).
+- Quarantine only chooses what the scheduler plans a step from (`Scheduler.plan_step`'s
+  explicit inputs) and never touches its lists: in a step of the others, quarantined requests
+  are left out of the running and waiting requests passed (their seats still count against
+  max_num_seqs, and they are not preemption victims); a solo step passes the one request.
 - The quarantine of a request lifts once its output grew past what it had when it was queued
   (checked at the next schedule), or when it ends.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tidal.core.request import Request, RequestStatus
-from tidal.core.request_queue import create_request_queue
+from tidal.core.request_queue import RequestQueue, create_request_queue
 
 if TYPE_CHECKING:
     from tidal.core.scheduler import Scheduler, _StepPlan
@@ -62,7 +63,7 @@ class Quarantine:
         """Plan one step (Scheduler.schedule, while any request is quarantined)."""
         self._lift_progressed()
         if not self.requests:
-            sched._schedule_all(plan)
+            sched.plan_step(plan, sched.running, sched.waiting)
             return
         for solo in ((True, False) if self.solo_turn else (False, True)):
             if solo:
@@ -88,40 +89,23 @@ class Quarantine:
         request = self._pick(sched)
         if request is None:
             return
-        others = [r for r in sched.running if r is not request]
-        if request.status == RequestStatus.RUNNING:
-            sched.running = [request]
-            try:
-                sched._schedule_running(plan)  # it alone (it may preempt only itself)
-            finally:
-                sched.running = others + sched.running
-            return
-        waiting, seats = sched.waiting, sched.max_num_seqs
-        waiting.remove_requests([request])
-        sched.waiting = create_request_queue(sched.policy)
-        sched.waiting.add_request(request)
-        sched.running, sched.max_num_seqs = [], seats - len(others)
-        try:
-            sched._schedule_waiting(plan)  # admits it alone, if blocks and seats allow
-        finally:
-            if sched.waiting:  # not admitted: back in the queue
-                waiting.prepend_request(request)
-            sched.waiting, sched.max_num_seqs = waiting, seats
-            sched.running = others + sched.running
+        if request.status == RequestStatus.RUNNING:  # it alone (it may preempt only itself)
+            sched.plan_step(plan, [request], _queue(sched))
+        else:  # admits it alone, if blocks and seats allow
+            sched.plan_step(plan, [], _queue(sched, [request]))
 
     def _others_step(self, sched: "Scheduler", plan: "_StepPlan") -> None:
-        held_running = [r for r in sched.running if r.quarantined]
-        held_waiting = [r for r, _ in self.requests.values() if r.status != RequestStatus.RUNNING]
-        seats = sched.max_num_seqs
-        if held_running:
-            sched.running = [r for r in sched.running if not r.quarantined]
-        if held_waiting:
-            sched.waiting.remove_requests(held_waiting)
-        sched.max_num_seqs = seats - len(held_running)
-        try:
-            sched._schedule_all(plan)
-        finally:
-            sched.max_num_seqs = seats
-            sched.running.extend(held_running)
-            for r in reversed(held_waiting):
-                sched.waiting.prepend_request(r)
+        running = [r for r in sched.running if not r.quarantined]
+        if len(running) == len(sched.running):
+            running = sched.running  # nothing held out: the scheduler's own list
+        held = {id(r) for r, _ in self.requests.values() if r.status != RequestStatus.RUNNING}
+        waiting = _queue(sched, [r for r in sched.waiting if id(r) not in held]) if held else sched.waiting
+        sched.plan_step(plan, running, waiting)
+
+
+def _queue(sched: "Scheduler", requests: list[Request] | None = None) -> RequestQueue:
+    """A queue of some of the scheduler's waiting requests (in its order), for `plan_step`."""
+    queue = create_request_queue(sched.policy)
+    for request in requests or ():
+        queue.add_request(request)
+    return queue

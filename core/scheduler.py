@@ -20,7 +20,8 @@ Invariants:
   never preempts a running one: a high-priority arrival is admitted when blocks allow, and from
   then on the lower-priority running requests are the ones preempted as blocks run out.
 - A quarantined request (suspected of a crash) runs only in a step of its own until its first
-  token; while any is queued, `Quarantine` (core/quarantine.py) plans the steps.
+  token; while any is queued, `Quarantine` (core/quarantine.py) plans the steps, by choosing
+  which requests to pass `plan_step` (the scheduler keeps its own lists up to date).
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ from tidal.protocol.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from tidal.protocol.sizing import max_step_tokens
 from tidal.protocol.sliding_window import model_kv_sliding_window
-from tidal.protocol.utils import max_step_tokens, summarize_exception
+from tidal.utils.logging_utils import summarize_exception
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class Scheduler:
         if self.quarantine:
             self.quarantine.schedule(self, plan)
         else:
-            self._schedule_all(plan)
+            self.plan_step(plan, self.running, self.waiting)
         total = self.max_num_batched_tokens - plan.token_budget
         self.num_batched_tokens = total
         self.num_scheduled_seqs = len(plan.num_scheduled_tokens)
@@ -217,24 +219,31 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
         )
 
-    def _schedule_all(self, plan: _StepPlan) -> None:
-        self._schedule_running(plan)
+    def plan_step(self, plan: _StepPlan, running: list[Request], waiting: RequestQueue) -> None:
+        """Plan a step from explicit inputs: `running` (self.running, or a list of some of its
+        requests in its order) and `waiting` (self.waiting, or a queue of some of its requests).
+        A preemption victim comes from `running` only; an admitted request leaves `waiting`
+        (and self.waiting) and joins self.running; seats count every running request."""
+        self._schedule_running(plan, running)
         if not plan.preempted:  # no WAITING request joins a step that had to preempt
-            self._schedule_waiting(plan)
+            self._schedule_waiting(plan, waiting)
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
-        """RUNNING requests, in admission order; preempt (see the invariants) when blocks run out."""
+    def _schedule_running(self, plan: _StepPlan, running: list[Request]) -> None:
+        """`running` requests, in admission order; preempt (see the invariants) when blocks run out."""
         kv = self.kv_cache_manager
+        subset = running is not self.running
         req_index = 0
-        while req_index < len(self.running) and plan.token_budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and plan.token_budget > 0:
+            request = running[req_index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
             if num_new_tokens <= 0:  # nothing to compute (runner owes a token): skip it
                 req_index += 1
                 continue
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
-                victim_index = self._victim_index()
-                victim = self.running.pop(victim_index)
+                victim_index = self._victim_index(running)
+                victim = running.pop(victim_index)
+                if subset:
+                    self.running.remove(victim)
                 if victim_index < req_index:
                     req_index -= 1  # `request` moved up one place
                 self._unschedule(victim, plan)
@@ -258,12 +267,11 @@ class Scheduler:
             plan.token_budget -= num_new_tokens
             req_index += 1
 
-    def _victim_index(self) -> int:
+    def _victim_index(self, running: list[Request]) -> int:
         """Index in `running` of the request to preempt: the tail (FCFS), or the largest
         (priority, arrival) sort key (priority: lowest priority, latest arrival)."""
         if self.policy == SchedulingPolicy.FCFS:
-            return len(self.running) - 1
-        running = self.running
+            return len(running) - 1
         return max(range(len(running)), key=lambda i: running[i].sort_key)
 
     def _unschedule(self, request: Request, plan: _StepPlan) -> None:
@@ -273,14 +281,15 @@ class Scheduler:
             plan.token_budget += num_tokens
             del plan.cached_reqs[request.request_id]
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """WAITING requests in the queue's order, while blocks, budget and seats last."""
+    def _schedule_waiting(self, plan: _StepPlan, waiting: RequestQueue) -> None:
+        """WAITING requests in `waiting`'s order, while blocks, budget and seats last."""
         kv = self.kv_cache_manager
         skipped: list[Request] = []  # waiting for their grammar: passed over, put back in order
-        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek_request()
+        admitted: list[Request] | None = None if waiting is self.waiting else []  # a subset's, to drop
+        while waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                skipped.append(self.waiting.pop_request())
+                skipped.append(waiting.pop_request())
                 continue
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
@@ -291,7 +300,9 @@ class Scheduler:
             new_block_ids = kv.allocate_slots(request, num_new_tokens, hit_block_ids, num_hit_tokens)
             if new_block_ids is None:
                 break
-            self.waiting.pop_request()
+            waiting.pop_request()
+            if admitted is not None:
+                admitted.append(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -314,7 +325,9 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
         for request in reversed(skipped):
-            self.waiting.prepend_request(request)
+            waiting.prepend_request(request)
+        if admitted:
+            self.waiting.remove_requests(admitted)
 
     # ------------------------------------------------------------------ update
 

@@ -48,7 +48,7 @@ from tidal.core.grammar_compile import (
 )
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.structured_outputs import StructuredOutputsParams
-from tidal.protocol.utils import summarize_exception
+from tidal.utils.logging_utils import summarize_exception
 
 if TYPE_CHECKING:
     from tidal.core.request import Request

@@ -14,7 +14,7 @@ from dataclasses import MISSING, Field, fields
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from tidal.protocol.config import StructuredOutputsConfig
-from tidal.protocol.utils import cuda_graph_capture_sizes
+from tidal.protocol.sizing import cuda_graph_capture_sizes
 
 if TYPE_CHECKING:
     from tidal.frontend.engine_args import EngineArgs

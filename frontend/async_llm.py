@@ -14,17 +14,16 @@ front-ends sharing a headless core never collide; outputs carry the user's id ag
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
-import uuid
-import weakref
-from typing import Any, AsyncGenerator, Callable, Iterable
+from typing import Any, AsyncGenerator, Callable, Iterable, TypeVar
 
 from tidal.frontend.core_client import AsyncMPClient
 from tidal.frontend.engine_args import AsyncEngineArgs
 from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory
 from tidal.frontend.output_collector import RequestOutputCollector
+from tidal.frontend.request_ids import RequestIds, check_request_id
+from tidal.frontend.supervisor import CoreState
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.config_views import ModelConfig
 from tidal.protocol.errors import EngineDeadError, EngineGenerateError
@@ -42,6 +41,7 @@ logger = logging.getLogger(__name__)
 _OUTPUT_SLICE = 128
 _YIELD_EVERY = _OUTPUT_SLICE
 _DRAIN_POLL_S = 0.01  # pause_generation(wait_for_inflight_requests=True) checks this often
+_T = TypeVar("_T")
 
 class AsyncLLM(FrontEnd[AsyncMPClient]):
     def __init__(self, model: str, *, stat_loggers: list[StatLoggerFactory] | None = None,
@@ -93,35 +93,21 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._running: dict[str, str] = {}  # user request id -> internal id
-        self._tag = uuid.uuid4().hex[:8]
-        self._ids = itertools.count()
+        self._request_ids = RequestIds()
         self._resumed: asyncio.Event | None = None  # set while paused; set() on resume
-        self._restart: asyncio.Task[None] | None = None  # replacing a lost core (_restart_core)
+        self._restart: asyncio.Task[None] | None = None  # replacing a lost core (_recover)
         self.log_requests = log_requests
         self._start(config, AsyncMPClient, stat_loggers or ())
-        # Weakly: the client's watcher thread must not keep this engine alive (and its __del__,
-        # which shuts the core down, from ever running).
-        ref = weakref.ref(self)
-
-        def on_dead(exc: EngineDeadError) -> None:  # from the watcher thread or the handler
-            engine = ref()
-            if engine is not None:
-                engine._in_loop(engine._fail_streams, exc)
-
-        self.engine_core.add_dead_callback(on_dead)
-
-        def on_lost(reason: str) -> None:  # from the watcher thread or the handler
-            engine = ref()
-            if engine is not None:
-                engine._in_loop(engine._begin_restart, reason)
-
-        self.engine_core.add_lost_callback(on_lost)
-        self.engine_core.resumable = True
+        # Both from the watcher thread or the handler; each runs in the loop's thread.
+        self._supervise(on_lost=lambda engine, reason: engine._in_loop(engine._on_lost, reason),
+                        on_dead=lambda engine, exc: engine._in_loop(engine._fail_streams, exc))
 
     # ------------------------------------------------------------------ status
     @property
     def errored(self) -> bool:
-        return self.engine_core.dead is not None
+        """Dead by a failure (a clean shutdown() is not one)."""
+        supervisor = self.engine_core.supervisor
+        return supervisor.error is not None and not supervisor.dead_by_shutdown
 
     @property
     def is_running(self) -> bool:
@@ -133,10 +119,10 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
 
     @property
     def dead_error(self) -> EngineDeadError:
-        return self.engine_core.dead or EngineDeadError("the engine was shut down")
+        return self.engine_core.supervisor.error or EngineDeadError("the engine was shut down")
 
     def _check_alive(self) -> None:
-        if self._closed or self.engine_core.dead is not None:
+        if self._closed or self.engine_core.supervisor.error is not None:
             raise EngineDeadError(str(self.dead_error)) from None
 
     async def get_tokenizer(self) -> Any:
@@ -168,13 +154,12 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         self._check_alive()
         await self._wait_unpaused()
         self._check_alive()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        check_request_id(request_id)
         if request_id in self._running:
             raise ValueError(f"request id {request_id!r} is already running")
         params = SamplingParams() if sampling_params is None else sampling_params
         self._ensure_handler()
-        internal = f"{request_id}#{self._tag}{next(self._ids):x}"
+        internal = self._request_ids.unique(request_id)
         self._running[request_id] = internal  # before any await: the id is taken from here on
         queue: RequestOutputCollector | None = None
         finished = False
@@ -274,11 +259,12 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
     # ---------------------------------------------------------- output handler
     def _ensure_handler(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.engine_core.lost is not None:
-            # Lost while no loop was there to hear of it: replace it now (the restart task
-            # starts the handler when it is done).
+        supervisor = self.engine_core.supervisor
+        if supervisor.state in (CoreState.LOST, CoreState.RECONNECTING):
+            # The restart task starts the handler when it is done. Lost while no loop was there
+            # to hear of it: replace it now.
             self._loop, self._loop_thread = loop, threading.get_ident()
-            self._begin_restart(self.engine_core.lost)
+            self._on_lost(supervisor.reason or "")  # nothing if a restart is under way
             return
         if self._handler is not None and not self._handler.done() and self._loop is loop:
             return
@@ -291,7 +277,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         try:
             while True:
                 outs = await client.get_output_async()
-                if client.lost is not None:
+                if not client.supervisor.live:
                     return  # the restart task takes over (and starts a new handler)
                 it = self._new_iteration()  # one per core message, across its slices
                 outputs = outs.outputs
@@ -312,61 +298,52 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
             pass  # the client marked itself dead; its dead callback told every stream
         except Exception as e:
             logger.exception("AsyncLLM output handler failed")
-            client.mark_dead(f"the front-end output handler failed: {type(e).__name__}: {e}",
-                             restartable=False)  # a new core would not fix this front-end
+            client.supervisor.core_gone(f"the front-end output handler failed: {type(e).__name__}: {e}",
+                                        restartable=False)  # a new core would not fix this front-end
 
     # ----------------------------------------------------------------- restart
-    def _begin_restart(self, reason: str) -> None:
-        """In the loop's thread, when the client lost its core: stop the handler and start
-        the task that replaces the core and resumes every open stream."""
-        if self.engine_core.lost is None or (self._restart is not None and not self._restart.done()):
+    def _on_lost(self, reason: str) -> None:
+        """In the loop's thread, when the supervisor lost its core: stop the handler and start
+        the task that has the supervisor replace the core and resume every open stream."""
+        if self.engine_core.supervisor.state is not CoreState.LOST or (
+                self._restart is not None and not self._restart.done()):
             return
         handler = self._handler
         if handler is not None and not handler.done() and handler is not asyncio.current_task():
             handler.cancel()
-        self._restart = asyncio.get_running_loop().create_task(self._restart_core(handler),
-                                                               name="tidal-core-restart")
+        self._restart = asyncio.get_running_loop().create_task(self._recover(handler), name="tidal-core-restart")
 
-    async def _restart_core(self, handler: asyncio.Task[None] | None) -> None:
-        client = self.engine_core
+    async def _recover(self, handler: asyncio.Task[None] | None) -> None:
+        supervisor = self.engine_core.supervisor
         if handler is not None and handler is not asyncio.current_task():
             # The handler returns or is cancelled at its next await; never wait on it forever.
             await asyncio.wait([handler], timeout=5.0)
-        client.fail_pending_utilities(RuntimeError("the utility call was interrupted: the engine core "
-                                                   f"was lost ({client.lost}) and is being restarted"))
-        client.close_lost_socket()
         try:
-            await asyncio.to_thread(client.reconnect)
-        except EngineDeadError:
-            return  # its dead callback failed every stream
-        client.reopen_async_view()
-        try:
-            give_up = self._resume_requests()
-            client.resumed()
-            if give_up:
+            if give_up := await supervisor.recover_async():
                 it = self._new_iteration()
                 self._process_outputs(give_up, None, it)
                 self._record_iteration(None, it)
+        except EngineDeadError:
+            return  # the supervisor's dead callback failed every stream
         except Exception as e:  # unhandled, this task would end alone and every stream wait forever
-            logger.exception("AsyncLLM: resuming the requests on the restarted engine core failed")
-            client.resume_failed(f"resuming the requests on the restarted engine core failed: "
-                                 f"{type(e).__name__}: {e}")
+            logger.exception("AsyncLLM: ending the given-up requests after a core restart failed")
+            supervisor.fail(f"resuming the requests on the restarted engine core failed: {type(e).__name__}: {e}")
             return
         self._handler = None
         if not self._closed:
             self._ensure_handler()
 
-    def _in_loop(self, fn: Callable[[EngineDeadError], None], exc: EngineDeadError) -> None:
-        """Run `fn(exc)` on the event loop's thread: now if this is it, else as soon as the loop
+    def _in_loop(self, fn: Callable[[_T], None], arg: _T) -> None:
+        """Run `fn(arg)` on the event loop's thread: now if this is it, else as soon as the loop
         gets to it. Nothing when no live loop ever opened a stream (there is none to fail)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         if threading.get_ident() == self._loop_thread:
-            fn(exc)
+            fn(arg)
             return
         try:
-            loop.call_soon_threadsafe(fn, exc)
+            loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:  # the loop closed in between
             pass
 
@@ -403,10 +380,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         return self.output_processor.get_num_unfinished_requests()
 
     # ---------------------------------------------------------------- shutdown
-    def _on_shutdown(self) -> None:
-        """Open streams end with EngineDeadError."""
-        self._in_loop(self._fail_streams, EngineDeadError("the engine was shut down"))
-
+    # shutdown() (FrontEnd's): the supervisor's DEAD ends every open stream (its dead callback).
     async def __aenter__(self) -> "AsyncLLM":
         return self
 

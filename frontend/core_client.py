@@ -8,24 +8,24 @@ core_client.py).
   `config.core_address`. Every message is [EngineCoreRequestType, msgpack payload...]; every
   reply is one EngineCoreOutputs. The constructor starts the core; `wait_ready()` does the
   handshake (utility "hello" -> ResolvedEngineInfo, or the core's start-up error).
-* Death and restart (core_connection.py): a lost core is replaced and the front-end resubmits
-  its requests; past the restart budget the client is dead and every call raises
-  EngineDeadError.
+* Death and restart (`client.supervisor`, frontend/supervisor.py): a lost core is replaced and
+  the front-end resubmits its requests; past the restart budget the client is dead and every
+  call raises EngineDeadError.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from tidal.frontend.core_connection import ABORT, ADD, POLL_MS, UTILITY, MPClientBase
+from tidal.frontend.supervisor import CoreState
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.messages import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
@@ -34,7 +34,7 @@ from tidal.protocol.messages import (
     decode_utility_result,
     encode_utility_result,
 )
-from tidal.protocol.utils import Deadline
+from tidal.utils.deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -83,63 +83,61 @@ class SyncMPClient(MPClientBase):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config, zmq.Context())
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
-        # The front-end's resubmission after a restart: sends its requests to the new core and
-        # returns ERROR outputs for those it gives up on (see FrontEnd._resume_requests).
-        self.resume_callback: Callable[[], list[EngineCoreOutput]] | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.check_dead()
+        self.supervisor.check()
         frames = self._encode_request(request)
-        if self.lost is None:  # else it goes with the resubmission
+        if self.supervisor.live:  # else it goes with the resubmission
             self.sock.send_multipart(frames, copy=False)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead is None and not self._closed and self.lost is None:
+        if request_ids and self.supervisor.live:
             self.sock.send_multipart(self._encode(ABORT, request_ids), copy=False)
 
-    def _recover(self) -> None:
-        """Restart the lost core and resubmit; the resubmission's ERROR outputs (requests given
-        up) come out of the next get_output()."""
+    def before_replace(self) -> None:
         self._pending.clear()  # outputs of the lost core that nobody read are stale
-        self.reconnect()
-        failed = self.resume_callback() if self.resume_callback is not None else []
-        self.resumed()
-        if failed:
+
+    def _recover(self) -> None:
+        """Replace the lost core (the supervisor resubmits); the ERROR outputs of the requests
+        given up come out of the next get_output()."""
+        if failed := self.supervisor.recover():
             self._pending.append(EngineCoreOutputs(outputs=failed))
 
     def get_output(self, timeout_s: float = 1.0) -> EngineCoreOutputs | None:
         """The next step's outputs, or None after timeout_s; EngineDeadError once dead."""
         deadline = Deadline(timeout_s)
+        supervisor = self.supervisor
         while True:
-            if self.lost is not None:
+            if supervisor.state is CoreState.LOST:
                 self._recover()
             if self._pending:
                 return self._pending.popleft()
-            self.check_dead()
+            supervisor.check()
             if self.sock.poll(deadline.remaining_ms(POLL_MS)):
                 outs = self._decode(self.sock.recv_multipart(copy=False))
-                self.check_dead()
-                if outs.utility_output is None and self.lost is None:
+                supervisor.check()
+                if outs.utility_output is None and supervisor.live:
                     return outs
             elif deadline.expired():
                 return None
 
     def call_utility(self, method: str, *args: Any, timeout_s: float = UTILITY_TIMEOUT_S) -> Any:
-        if self.lost is not None:
+        supervisor = self.supervisor
+        if supervisor.state is CoreState.LOST:
             self._recover()
-        self.check_dead()
+        supervisor.check()
         call_id = next(self._call_ids)
         self.sock.send_multipart(self._encode(UTILITY, UtilityRequest(call_id, method, list(args))))
         deadline = Deadline(timeout_s)
         while not deadline.expired():
-            self.check_dead()
-            if self.lost is not None:
+            supervisor.check()
+            if not supervisor.live:
                 raise RuntimeError(f"utility call {method!r} was interrupted: the engine core was lost "
-                                   f"({self.lost}) and is being restarted")
+                                   f"({supervisor.reason}) and is being restarted")
             if not self.sock.poll(POLL_MS):
                 continue
             outs = self._decode(self.sock.recv_multipart(copy=False))
-            self.check_dead()
+            supervisor.check()
             u = outs.utility_output
             if u is not None and u.call_id == call_id:
                 return _utility_result(method, u)
@@ -164,8 +162,8 @@ class AsyncMPClient(MPClientBase):
         self._sync_view: zmq.Socket = zmq.Socket.shadow(self.sock.underlying)
 
     def _send(self, frames: list[Any]) -> None:
-        self.check_dead()
-        if self.lost is not None:
+        self.supervisor.check()
+        if not self.supervisor.live:
             return  # a request goes with the resubmission; an abort's request is not in it
         fut = self.sock.send_multipart(frames, copy=False)
         if fut.done():
@@ -178,7 +176,7 @@ class AsyncMPClient(MPClientBase):
         self._send(self._encode_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead is None and not self._closed:
+        if request_ids and self.supervisor.error is None:
             self._send(self._encode(ABORT, request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
@@ -190,8 +188,7 @@ class AsyncMPClient(MPClientBase):
             except zmq.Again:
                 frames = await self.sock.recv_multipart(copy=False)
             outs = self._decode(frames)
-            if self.dead is not None:
-                raise self.dead
+            self.supervisor.check()
             u = outs.utility_output
             if u is not None:
                 self._resolve_utility(u)
@@ -208,7 +205,7 @@ class AsyncMPClient(MPClientBase):
                                  timeout_s: float = UTILITY_TIMEOUT_S) -> Any:
         """Needs the caller's output handler to be reading (AsyncLLM makes sure of it, and
         waits out a core restart first)."""
-        if self.lost is not None:
+        if not self.supervisor.live:
             raise RuntimeError(f"utility call {method!r}: the engine core is being restarted")
         call_id = next(self._call_ids)
         fut: asyncio.Future[UtilityOutput] = asyncio.get_running_loop().create_future()
@@ -220,14 +217,17 @@ class AsyncMPClient(MPClientBase):
             self._utility_futures.pop(call_id, None)
         return _utility_result(method, u)
 
-    def close_lost_socket(self) -> None:
-        """In the loop's thread, once the output handler stopped: the lost core's socket goes
-        (closing an asyncio socket elsewhere would race the loop's own use of it)."""
+    def before_replace(self) -> None:
+        """In the loop's thread, once the output handler stopped: pending utility calls fail,
+        and the lost core's socket goes (closing an asyncio socket elsewhere would race the
+        loop's own use of it)."""
+        self.fail_pending_utilities(RuntimeError("the utility call was interrupted: the engine core was lost "
+                                                 f"({self.supervisor.reason}) and is being restarted"))
         self._close_socket()
 
-    def reopen_async_view(self) -> None:
-        """After `reconnect()` (run in another thread), in the loop's thread: the blocking view
-        for fast receives follows the new socket."""
+    def after_replace(self) -> None:
+        """In the loop's thread, after `replace_core()` ran in another: the blocking view for
+        fast receives follows the new socket."""
         self._sync_view = zmq.Socket.shadow(self.sock.underlying)
 
     def fail_pending_utilities(self, exc: BaseException) -> None:

@@ -20,9 +20,9 @@ import zmq
 
 from tidal.frontend.priority import popen
 from tidal.protocol.config import EngineConfig
-from tidal.protocol.process import group_signals_blocked, stop_process
-from tidal.protocol.utils import compute_process_env
-from tidal.protocol.zmq_utils import IpcDir
+from tidal.utils.openmp import compute_process_env
+from tidal.utils.process import group_signals_blocked, stop_process
+from tidal.utils.zmq_utils import IpcDir
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 from tidal.frontend.core_client import AsyncMPClient, InprocClient, SyncMPClient
@@ -14,6 +15,7 @@ from tidal.frontend.output_processor import OutputProcessor
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, check_model
 from tidal.protocol.config_views import ModelConfig
+from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.request_rules import check_priority
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=InprocClient | SyncMPClient | AsyncMPClient)
+F = TypeVar("F", bound="FrontEnd[Any]")
 # vLLM's StatLoggerFactory: called with (vllm_config, engine_index); the logger it returns gets
 # record(scheduler_stats, iteration_stats) once per core message and log() with the summary.
 StatLoggerFactory = Callable[[EngineConfig, int], StatLoggerBase]
@@ -112,13 +115,39 @@ class FrontEnd(Generic[C]):
             self.output_processor.remove_request(request.request_id)
             raise
 
-    def _resume_requests(self) -> list[EngineCoreOutput]:
-        """A new engine core replaced a lost one (the client's reconnect()): send it every open
-        request, resuming where its stream is; returns ERROR outputs for the requests given up
-        (see OutputProcessor.resume_after_crash), to be processed like any core output."""
-        failed_ids = getattr(self.engine_core, "failed_step_request_ids", None)
-        resend, give_up = self.output_processor.resume_after_crash(failed_ids)
-        self.engine_core.resubmit(resend)
+    def _supervise(self: F, on_lost: Callable[[F, str], None] | None = None,
+                   on_dead: Callable[[F, EngineDeadError], None] | None = None) -> None:
+        """Attach this front-end to its core's supervisor (frontend/supervisor.py): from now on a
+        lost core is replaced and the open requests resume on it. Weakly: the client's threads
+        must not keep the front-end alive (its __del__ shuts the core down). With data
+        parallelism each core's supervisor gets one such attachment."""
+        ref = weakref.ref(self)
+
+        def resume(failed_step_request_ids: list[str] | None) -> list[EngineCoreOutput]:
+            front_end = ref()
+            return [] if front_end is None else front_end._resume_requests(failed_step_request_ids)
+
+        def weak(fn: Callable[[F, Any], None] | None) -> Callable[[Any], None] | None:
+            if fn is None:
+                return None
+
+            def call(arg: Any) -> None:
+                if (front_end := ref()) is not None:
+                    fn(front_end, arg)
+            return call
+
+        client = self.engine_core
+        assert isinstance(client, (SyncMPClient, AsyncMPClient))
+        client.supervisor.attach(resume, on_lost=weak(on_lost), on_dead=weak(on_dead))
+
+    def _resume_requests(self, failed_step_request_ids: list[str] | None) -> list[EngineCoreOutput]:
+        """The supervisor replaced a lost core: send the new one every open request, resuming
+        where its stream is; returns ERROR outputs for the requests given up (triage: see
+        frontend/recovery.py), to be processed like any core output."""
+        resend, give_up = self.output_processor.resume_after_crash(failed_step_request_ids)
+        client = self.engine_core
+        assert isinstance(client, (SyncMPClient, AsyncMPClient))
+        client.resubmit(resend)
         if self.metrics is not None:
             self.metrics.record_core_restart()
         quarantined = sum(r.quarantined for r in resend)
@@ -155,17 +184,20 @@ class FrontEnd(Generic[C]):
         except Exception as e:
             logger.debug("abort of %s not sent: %s", ids, e)
 
+    def begin_shutdown(self) -> None:
+        """The application is shutting down: a core lost from now on is not restarted (its
+        end is part of the shutdown, e.g. a SIGTERM to the whole process group), while the
+        requests in flight go on until shutdown()."""
+        self.engine_core.supervisor.shutting_down = True
+
     def shutdown(self) -> None:
         """Stop the engine core; idempotent. A headless core keeps running: it is told to drop
         this front-end's requests."""
         if self._closed:
             return
         self._closed = True
-        self._on_shutdown()
+        # Its supervisor goes DEAD first: AsyncLLM's dead callback ends every open stream.
         self.engine_core.shutdown(abort=list(self.output_processor.request_states))
-
-    def _on_shutdown(self) -> None:
-        """Before the core client stops (AsyncLLM fails the open streams here)."""
 
     def __del__(self) -> None:
         try:

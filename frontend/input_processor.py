@@ -4,7 +4,6 @@ Every problem with a request raises `ValueError` here, before anything is queued
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import operator
@@ -15,14 +14,15 @@ from typing import Any
 
 import msgspec
 from tidal.frontend.detokenizer import rust_backend
-from tidal.frontend.tokenizer import LONG_TEXT_CHARS, check_prompt_chars, prompt_char_limit, rust_encode
+from tidal.frontend.prompt_tokens import PromptEncoder, keep_last, off_loop_if_long, truncation_length
+from tidal.frontend.request_ids import check_request_id
+from tidal.frontend.tokenizer import LONG_TEXT_CHARS, rust_encode
 from tidal.protocol.messages import EngineCoreRequest
 from tidal.protocol.request_rules import RequestLimits, check_request
 from tidal.protocol.sampling_params import SamplingParams
 
 # Drawn seeds stay below 2**63 with room for the n > 1 children's seed + i (and then some).
 _SEED_LIMIT = (1 << 63) - (1 << 32)
-_PROBE_TEXT = "Hello world! 你好 😀 \n  def f(x): return x"
 
 
 def _generation_config_eos(tokenizer: Any) -> list[int]:
@@ -63,21 +63,8 @@ class InputProcessor:
             eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.extra_eos_token_ids: list[int] = eos_ids[1:]
-        # The Rust encoder directly when it agrees with the tokenizer's own encode (faster, and
-        # safe to call from a worker thread while the loop decodes).
-        self._encode = None if tokenizer is None else tokenizer.encode
-        backend = rust_backend(tokenizer)
-        if backend is not None and tokenizer is not backend:
-            try:
-                if backend.encode(_PROBE_TEXT).ids == list(tokenizer.encode(_PROBE_TEXT)):
-                    self._encode = lambda text: rust_encode(backend, text)
-            except Exception:
-                pass
-        elif backend is not None:
-            self._encode = lambda text: rust_encode(backend, text)
-        # prompt_char_limit, computed on the first long untruncated text prompt (not at start-up:
-        # a pass over the vocabulary; a race between two threads computes the same value twice).
-        self._char_limit: int | None = None
+        # Text prompts are tokenized, size-checked and truncated as the server does its own.
+        self.encoder = None if tokenizer is None else PromptEncoder(tokenizer, max_model_len)
 
     # ------------------------------------------------------------------ prompts
     def _parse_prompt(self, prompt: str | dict) -> tuple[str | None, list[int] | None]:
@@ -114,16 +101,12 @@ class InputProcessor:
             clean.append(operator.index(t))
         return text, clean
 
-    def _tokenize(self, text: str, truncating: bool) -> list[int]:
-        """Token ids of a text prompt; one that cannot fit is refused first, untokenized
-        (unless it is to be truncated: then its end is what is asked for)."""
-        if self._encode is None:
+    def _tokenize(self, text: str, keep: int | None) -> list[int]:
+        """Token ids of a text prompt, the last `keep` if given (PromptEncoder.encode: one that
+        cannot fit is refused first, untokenized, unless it is to be truncated)."""
+        if self.encoder is None:
             raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
-        if not truncating and len(text) > LONG_TEXT_CHARS:
-            if self._char_limit is None:
-                self._char_limit = prompt_char_limit(self.tokenizer, self.limits.max_model_len)
-            check_prompt_chars(len(text), self._char_limit, self.limits.max_model_len)
-        return list(self._encode(text))
+        return self.encoder.encode(text, keep=keep)
 
     def _encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens (BOS and the like)."""
@@ -150,27 +133,13 @@ class InputProcessor:
                 sequences.append(spaced)
         return sequences
 
-    def _truncate_length(self, keep: int | None) -> int | None:
-        """The tokens truncate_prompt_tokens keeps, as vLLM (-1: max_model_len; None: all);
-        checked before tokenizing, so a bad value costs nothing."""
-        if keep is None:
-            return None
-        max_len = self.limits.max_model_len
-        if keep == -1:
-            return max_len
-        if keep > max_len:
-            raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-                             f"({max_len}). Please, select a smaller truncation size.")
-        return keep
-
     # ------------------------------------------------------------------ process
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         """Validated `EngineCoreRequest` (sampling params cloned, never mutated) and the prompt
         text (None for a token-id prompt). n > 1 stays in the params (OutputProcessor.add_request
         fans it out). The request rules are `check_request`'s, the core's too."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        check_request_id(request_id)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._parse_prompt(prompt)
@@ -179,13 +148,10 @@ class InputProcessor:
         # are mutable) are caught here too, before anything is registered or sent. The
         # front-end's own changes then go into this private copy, checked by check_request.
         params = params.clone()
-        keep = self._truncate_length(params.truncate_prompt_tokens)
-        if ids is None:
-            ids = self._tokenize(text, keep is not None)  # type: ignore[arg-type]
+        keep = truncation_length(params.truncate_prompt_tokens, self.limits.max_model_len)
+        ids = self._tokenize(text, keep) if ids is None else keep_last(ids, keep)  # type: ignore[arg-type]
         for name, value in self._changes(params).items():
             setattr(params, name, value)
-        if keep is not None:
-            ids = ids[-keep:]
         problem = check_request(ids, params, self.limits, self.eos_token_id, priority)
         if problem is not None:
             raise ValueError(problem)
@@ -227,12 +193,10 @@ class InputProcessor:
         chars = len(text) if isinstance(text, str) else 0
         if isinstance(params, SamplingParams) and params.bad_words:
             chars += sum(map(len, params.bad_words))
-        if chars > LONG_TEXT_CHARS:
-            if isinstance(params, SamplingParams) and params.seed is None:
-                # Drawn here, in arrival order: in the thread it would be in finishing order.
-                params = params.clone(seed=self._draw_seed(params))
-            return await asyncio.to_thread(self.process, request_id, prompt, params, arrival_time, priority)
-        return self.process(request_id, prompt, params, arrival_time, priority)
+        if chars > LONG_TEXT_CHARS and isinstance(params, SamplingParams) and params.seed is None:
+            # Drawn here, in arrival order: in the thread it would be in finishing order.
+            params = params.clone(seed=self._draw_seed(params))
+        return await off_loop_if_long(chars, self.process, request_id, prompt, params, arrival_time, priority)
 
 
 def _arrival_time(value: object) -> float:

@@ -12,16 +12,15 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-import uuid
-import weakref
 from typing import Any, Sequence, overload
 
 from tidal.frontend.beam_search import beam_search
-from tidal.frontend.chat_utils import normalize_messages
+from tidal.frontend.chat_utils import check_chat_options, render_chat, resolve_chat_template
 from tidal.frontend.core_client import InprocClient, SyncMPClient
 from tidal.frontend.engine_args import EngineArgs
 from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory
 from tidal.frontend.metrics_reader import Metric
+from tidal.frontend.request_ids import RequestIds
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.beam_search import BeamSearchOutput, BeamSearchParams
@@ -52,17 +51,14 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
         # Request ids as vLLM's LLM shows them ('0', '1', ...); in the core each carries this
         # LLM's tag too, so front-ends sharing a headless core never collide.
         self._ids = itertools.count()
-        self._tag = uuid.uuid4().hex[:12]
+        self._request_ids = RequestIds(tag_chars=12)
         # Outputs of llm_engine.add_request's requests that arrived while generate() waited,
         # or beside a failure that step() raised: the next step() returns them first.
         self._backlog: list[RequestOutput | EngineGenerateError] = []
         self._start(config, SyncMPClient if multiprocessing else InprocClient, stat_loggers)
         if isinstance(self.engine_core, SyncMPClient):
-            # A lost core is replaced inside the wait that notices it, which then resubmits
-            # through this (weakly: the client must not keep this LLM alive).
-            resume = weakref.WeakMethod(self._resume_requests)
-            self.engine_core.resume_callback = lambda: (resume() or list)()
-            self.engine_core.resumable = True
+            # A lost core is replaced inside the wait that notices it (no callbacks needed).
+            self._supervise()
 
     # ------------------------------------------------------------------ public
     def get_tokenizer(self) -> Any:
@@ -104,7 +100,7 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; pass one per prompt")
         requests = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-            req, text = self.input_processor.process(f"{next(self._ids)}#{self._tag}", prompt,
+            req, text = self.input_processor.process(self._request_ids.fixed(str(next(self._ids))), prompt,
                                                      params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
             self._apply_request_options(req, 0 if priority is None else priority[i], lora_request)
             requests.append((req, text))
@@ -131,26 +127,17 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
         does. The template writes the special tokens, so none are added when tokenizing."""
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: tidal serves text-only models")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
-                             f"got {chat_template_content_format!r}")
+        check_chat_options(add_generation_prompt, continue_final_message, chat_template_content_format)
         tok = self._tokenizer_or_raise()
-        template = chat_template or getattr(tok, "chat_template", None)
-        if not template:
-            raise ValueError("this model's tokenizer has no chat template: pass chat_template (a Jinja "
-                             "template) or use generate()")
+        template = resolve_chat_template(tok, chat_template)
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
-        fmt = "openai" if chat_template_content_format == "openai" else "string"
-        extra = {"tools": tools} if tools else {}
+        template_kwargs = {**({"tools": tools} if tools else {}), **(chat_template_kwargs or {})}
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tok.apply_chat_template(
-                normalize_messages(list(conversation), fmt), chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **extra, **(chat_template_kwargs or {}))
+            text = render_chat(tok, conversation, template, content_format=chat_template_content_format,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, template_kwargs=template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": list(tok.encode(text, add_special_tokens=False))})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
@@ -228,9 +215,8 @@ class LLM(FrontEnd[InprocClient | SyncMPClient]):
 
 
 def _visible_id(internal_id: str) -> str:
-    """The id vLLM's LLM shows ('0', '1', ...; or the step API's own) of an internal
-    '<id>#<tag>' (the tag has no '#'; the id may)."""
-    return internal_id.rpartition("#")[0]
+    """The id vLLM's LLM shows ('0', '1', ...; or the step API's own) of an internal one."""
+    return RequestIds.external(internal_id)
 
 
 @overload
@@ -312,11 +298,9 @@ class LLMEngine:
         llm = self._llm
         if llm._closed:
             raise RuntimeError("this LLM was shut down")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        internal = llm._request_ids.fixed(request_id)  # ValueError for an empty or non-str id
         if tokenization_kwargs:
             raise ValueError("tokenization_kwargs: tidal tokenizes prompts one way (pass token ids to choose)")
-        internal = f"{request_id}#{llm._tag}"
         op = llm.output_processor
         if internal in op.request_states or internal in op.parent_requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -349,7 +333,7 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """End these requests (unknown or finished ids are ignored) with no further output."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self._llm._abort_silently(f"{rid}#{self._llm._tag}" for rid in ids)
+        self._llm._abort_silently(self._llm._request_ids.fixed(rid) for rid in ids)
 
     @property
     def vllm_config(self) -> EngineConfig:

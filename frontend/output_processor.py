@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import msgspec
-
 from tidal.frontend.detokenizer import TokenTexts
 from tidal.frontend.metrics_stats import IterationStats
 from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.parallel_sampling import ParentRequest
+from tidal.frontend.recovery import give_up_output, triage
 from tidal.frontend.request_state import STATE_CLASS, RequestState, Step
 from tidal.protocol.errors import EngineGenerateError, EngineOverloadedError, InvalidRequestError
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, ErrorKind, FinishReason
@@ -157,58 +156,18 @@ class OutputProcessor:
         """The engine core died and a new one runs: the requests to send it, each resuming
         where its stream is (the tokens generated so far go as `resumed_output_token_ids`, the
         prompt-logprob rows received are not sent again), and an ERROR output for each request
-        given up. What the lost core had sent after the last message read here is generated
-        again, identically (sampling is a function of seed and position).
-
-        Blame (`failed_step_request_ids`: this front-end's requests in the step that failed,
-        from the dying core's engine_dead; None when unknown, e.g. the core process vanished):
-        - A request that made progress (a new token) since the last restart starts clean.
-        - Known step: the requests in it are the suspects; each goes back `quarantined`, which
-          the core runs only in a step of its own until its next token. The others were not in
-          the step: nothing changes for them, however many crashes they wait through. A
-          request that crashes the engine while quarantined was alone in the step, and after
-          its second such crash without progress it is given up (one crash alone can be a
-          coincidence: a fault from outside that struck during its step; every suspect of a big
-          batch runs such a solo step, and it goes first on the next core). A request that
-          crashes the engine whenever it runs thus fails after three crashes.
-        - Unknown step: the requests that the lost core started (it announces each one before
-          its first step) and that made no progress are the suspects; one that was a suspect
-          of two crashes in a row is given up. A request still queued at a crash never ran:
-          it is not blamed (nor cleared: its streak stands).
-        Given up: an ERROR output, "request was in flight during repeated engine failures".
-        Struck requests (a crash while alone) are resent first, so that they run first."""
+        given up; which is which is `recovery.triage`'s blame rule. What the lost core had sent
+        after the last message read here is generated again, identically (sampling is a
+        function of seed and position)."""
         self._awaiting_final.clear()  # the old core's final outputs will never come
-        failed = None if failed_step_request_ids is None else set(failed_step_request_ids)
+        states = self.request_states
+        plan = triage(((st.resume, len(st.generated)) for st in states.values()), failed_step_request_ids)
         resend: list[EngineCoreRequest] = []
-        give_up: list[EngineCoreOutput] = []
-        for state in self.request_states.values():
-            if len(state.generated) > state.progress_mark:  # progress: cleared of past crashes
-                state.suspect_streak = state.solo_crashes = 0
-                state.quarantined = False
-            if failed is None:
-                if state.started and len(state.generated) == state.progress_mark:
-                    state.suspect_streak += 1
-                guilty = state.suspect_streak >= 2
-            elif state.request_id in failed:
-                state.suspect_streak += 1
-                if state.quarantined:  # it ran alone (and made no progress): the crash was its
-                    state.solo_crashes += 1
-                state.quarantined = True
-                guilty = state.solo_crashes >= 2
-            else:
-                state.suspect_streak = 0
-                guilty = False
-            if guilty:
-                give_up.append(EngineCoreOutput(state.request_id, finish_reason=FinishReason.ERROR,
-                                                error="request was in flight during repeated engine failures"))
-                continue
-            state.progress_mark, state.started = len(state.generated), False
-            resend.append(msgspec.structs.replace(
-                state.core_request, resumed_output_token_ids=list(state.generated),
-                num_prompt_logprobs_sent=state.num_prompt_lp_rows, quarantined=state.quarantined))
-        if any(self.request_states[r.request_id].solo_crashes for r in resend):
-            resend.sort(key=lambda r: not self.request_states[r.request_id].solo_crashes)  # stable
-        return resend, give_up
+        for record in plan.resend:
+            state = states[record.request_id]
+            state.resume = record
+            resend.append(record.resubmission(state.generated))
+        return resend, [give_up_output(record) for record in plan.give_up]
 
     def _paced(self, state: RequestState, completion: CompletionOutput) -> CompletionOutput | None:
         """vLLM's stream_interval: the completion to send now, or None to hold it back. A stream

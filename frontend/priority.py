@@ -12,7 +12,7 @@ default workload, both servers in one run): +7% to +16% output tok/s at nice 15 
 0 (the median of each run), with a stream's tokens in 0.65-0.86 chunks each and time per
 output token down by 10-20%; nice 10 changed nothing, 12 was 5% slower than 15; at 16 req/s
 (near saturation) the time to first token rose ~15 ms. The idle moments come from tidal's
-short OpenMP spin (GOMP_SPINCOUNT, protocol/utils.py): threads that spin longer leave none,
+short OpenMP spin (GOMP_SPINCOUNT, tidal_pkg/utils/openmp.py): threads that spin longer leave none,
 so a user's own OpenMP wait setting turns the default off.
 
 Linux keeps a nice value per thread: only the loop's thread is lowered, and the threads it
@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Any
 
-from tidal.protocol.process import SpawnerThread, stop_process
+from tidal.utils.process import SpawnerThread, stop_process
 
 MAX_NICE = 19  # the lowest priority on the nice scale
 _SPAWN_TIMEOUT_S = 60.0  # a fork + exec: far less, unless the machine is stuck

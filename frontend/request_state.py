@@ -10,6 +10,7 @@ from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulat
 from tidal.frontend.metrics_stats import IterationStats
 from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.parallel_sampling import ParentRequest
+from tidal.frontend.recovery import ResumeRecord
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tidal.protocol.outputs import CompletionOutput, RequestStateStats
 from tidal.protocol.sampling_params import RequestOutputKind
@@ -27,8 +28,7 @@ class RequestState:
     output_kind_is_delta = False  # outputs carry only what is new (their held ones must join)
     __slots__ = ("request_id", "external_req_id", "parent", "index", "queue", "prompt",
                  "prompt_token_ids", "detokenizer", "logprobs", "num_cached_tokens", "stats", "max_tokens",
-                 "text", "text_parts", "token_ids", "core_request", "generated", "num_prompt_lp_rows",
-                 "progress_mark", "suspect_streak", "solo_crashes", "quarantined", "started", "sent_tokens", "held")
+                 "text", "text_parts", "token_ids", "generated", "resume", "sent_tokens", "held")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
                  index: int, queue: RequestOutputCollector | None, tokenizer: Any | None,
@@ -47,21 +47,10 @@ class RequestState:
         self.text = ""  # released text (CUMULATIVE)
         self.text_parts: list[str] = []  # released text (FINAL_ONLY: joined once)
         self.token_ids: list[int] = []  # all output ids (not kept for DELTA)
-        # For a resubmission after a core restart (OutputProcessor.resume_after_crash): what
-        # was sent, every token the core generated so far, the prompt-logprob rows received,
-        # len(generated) when it was last sent, the crashes in a row it was a suspect of
-        # without progress, the crashes while it ran alone (quarantined) without progress,
-        # whether it goes back quarantined, and whether the current core started it (any output
-        # of it came: the core announces each request as its first step begins).
-        self.core_request = request
-        # CUMULATIVE and FINAL_ONLY keep every output id anyway: one list serves both.
+        # Every token the core generated so far (for a resubmission after a core restart, and
+        # stream_interval); CUMULATIVE and FINAL_ONLY keep every output id anyway: one list.
         self.generated: list[int] = self.token_ids if self._keeps_token_ids else []
-        self.num_prompt_lp_rows = 0
-        self.progress_mark = 0
-        self.suspect_streak = 0
-        self.solo_crashes = 0
-        self.quarantined = False
-        self.started = False
+        self.resume = ResumeRecord(request)  # what a resubmission needs (frontend/recovery.py)
         # stream_interval: len(generated) when an output last went out, and a DELTA output held
         # back since (its text, ids and logprobs go out with the next one).
         self.sent_tokens = 0
@@ -72,11 +61,12 @@ class RequestState:
         stats are on); returns the completion to emit, if any. A finished completion for an
         output the core did not finish was ended by a stop string, here."""
         new_ids, finish = out.new_token_ids, out.finish_reason
-        self.started = True
+        resume = self.resume
+        resume.started = True  # any output: this core started it (see ResumeRecord)
         if new_ids and not self._keeps_token_ids:
             self.generated.extend(new_ids)
         if out.new_prompt_logprobs is not None:
-            self.num_prompt_lp_rows += len(out.new_prompt_logprobs.ranks)
+            resume.num_prompt_lp_rows += len(out.new_prompt_logprobs.ranks)
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
         text, stop_str = self.detokenizer.step(new_ids, finish)

@@ -19,7 +19,7 @@ from tidal.protocol.config_views import VllmConfigAttrs
 # config.json "architectures" tidal implements (tidal.worker.models.registry maps them to
 # classes); kept here, torch-free, so a front-end rejects a model before starting any process.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
 CORE_RESTART_WINDOW_S = 600.0  # max_core_restarts counts the restarts within this window
 # The most whitespace characters a JSON grammar allows in one gap between tokens ("{", keys,

@@ -69,7 +69,7 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # A resumed request suspected of a crash (it was in the step that failed): the scheduler
     # runs it only in a step of its own until it produces a token, so that a crash while it
     # runs proves it guilty and never blames the requests it would have shared a step with
-    # (see core/quarantine.py, OutputProcessor.resume_after_crash).
+    # (see core/quarantine.py, frontend/recovery.py triage).
     quarantined: bool = False
     # vLLM's prompt `cache_salt`: mixed into the hash of the first block, so only requests with
     # the same salt share prefix-cache blocks (tenants cannot probe each other's prompts).

@@ -16,8 +16,10 @@ import msgspec
 
 from tidal.protocol import envs
 from tidal.protocol.structured_outputs import StructuredOutputsParams
-from tidal.protocol.utils import GREEDY_EPS
 
+
+# Temperatures below this sample greedily (argmax); SamplingParams and the sampler agree on it.
+GREEDY_EPS = 1e-5
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what an int field on the wire can carry
 UINT64_MAX = (1 << 64) - 1  # a seed may use the whole unsigned range too (the sampler hashes 64 bits)

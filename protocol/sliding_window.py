@@ -14,12 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 
 # Architectures whose HF attention slides on every layer whenever `sliding_window` is set.
-_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM")
+_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 # Architectures whose HF classes read `use_sliding_window` / `max_window_layers` / `layer_types`.
 _QWEN_STYLE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # config.json's model_type -> architecture, for configs that name no architectures.
 _BY_MODEL_TYPE = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
 # transformers' Qwen2Config / Qwen3Config default when config.json names no max_window_layers.
 _DEFAULT_MAX_WINDOW_LAYERS = 28
 
@@ -27,8 +28,8 @@ _DEFAULT_MAX_WINDOW_LAYERS = 28
 def layer_sliding_windows(config: Any) -> list[int | None]:
     """Per decoder layer: its window, or None for full attention, as transformers 5 decides.
 
-    Mistral, Mixtral: every layer slides when `sliding_window` is set (their attention ignores
-    `layer_types`). Qwen2/Qwen3: nothing slides unless `use_sliding_window`; then `layer_types`
+    Mistral, Mixtral, Phi-3: every layer slides when `sliding_window` is set (their attention
+    ignores `layer_types`). Qwen2/Qwen3: nothing slides unless `use_sliding_window`; then `layer_types`
     when given, else the layers from `max_window_layers` on (the first ones stay full).
     Qwen3-MoE: every layer when `use_sliding_window`. Llama: never (LlamaConfig has no window).
     """

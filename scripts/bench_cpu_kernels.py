@@ -25,17 +25,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tidal.protocol.utils import cdiv
-from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
+from tidal.protocol.sizing import cdiv
 from tidal.worker.attention_cpu import CpuAttentionBackend
+from tidal.worker.attention_metadata import AttentionMetadata
+from tidal.worker.attention_torch import TorchAttentionBackend
 from tidal.worker.cpu_kernels import cpu_kernels
-from tidal.worker.panel_gemm import pack_weight, panel_linear
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.gemm import PackedWeight
 from tidal.worker.layers.layernorm import RMSNorm
 from tidal.worker.layers.qk_norm_rope import QKNormRope
 from tidal.worker.layers.rotary import RotaryEmbedding
 from tidal.worker.loader import tune_cpu_malloc
+from tidal.worker.panel_gemm import pack_weight, panel_linear
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 512, 8, 4, 64, 1536
 

@@ -90,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-        # As tidal's engine processes run (protocol/utils.py). libgomp reads it when it loads,
+        # As tidal's engine processes run (tidal_pkg/utils/openmp.py). libgomp reads it when it loads,
         # which `import torch` above has done: start again with it set.
         os.environ["GOMP_SPINCOUNT"] = "3000"
         os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])

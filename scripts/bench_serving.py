@@ -337,7 +337,7 @@ def run_server_phase(args: argparse.Namespace, engine_argv: list[str], engine_kw
     each timed one next to its LLM.generate twin (unless --no-offline): (the timed server runs,
     the offline (output tok/s, CPU s) in the same order). The server and the offline engine are stopped
     and reaped on every path (the server's log is kept and its tail printed unless all went well)."""
-    from tidal.protocol.utils import free_port
+    from tidal.utils.network import free_port
 
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"

@@ -62,7 +62,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
 
 def run(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[float, float]]:
     """(A's output tok/s, B's) per workload."""
-    from tidal.protocol.utils import free_port
+    from tidal.utils.network import free_port
 
     sides: list[tuple[str, str, Any]] = []  # (name, base url, process)
     logs = []

@@ -128,7 +128,9 @@ def forward_only(args: argparse.Namespace, model: str, cfg: dict[str, Any], prom
     graphs when the capture works, as the engine runs decodes),
     summed x stride; one prefill chunk of max_num_batched_tokens, scaled to all prompt tokens.
     The last two add up to the kernel time of the workload, an engine with no overhead."""
-    from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
+    from tidal.worker.attention import Attention
+    from tidal.worker.attention_metadata import AttentionMetadata
+    from tidal.worker.forward_context import set_forward_context
     from tidal.worker.hf_config import load_hf_config
     from tidal.worker.loader import load_model
 

@@ -252,7 +252,7 @@ def main() -> None:
     if args.requests < 1 or args.concurrency < 1:
         ap.error("--requests and --concurrency must be >= 1")
     from tidal.frontend.entrypoints.make_model import ensure_default_model
-    from tidal.protocol.utils import free_port
+    from tidal.utils.network import free_port
 
     args.model = args.model or ensure_default_model()
     port = free_port()

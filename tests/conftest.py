@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from tidal.protocol.utils import free_port as free_tcp_port  # noqa: F401 - test_core_proc imports it
+from tidal.utils.network import free_port as free_tcp_port  # noqa: F401 - test_core_proc imports it
 
 
 @pytest.fixture(scope="session")

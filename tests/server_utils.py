@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import psutil
-from tidal.protocol.utils import free_port
+from tidal.utils.network import free_port
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0

@@ -514,7 +514,7 @@ async def test_a_request_too_big_for_the_core_is_refused_before_sending(long_mod
     front-end's connection, which read as a lost core: a restart for every stream, twice, and
     the request given up. Now a ValueError names the limit, and the core never sees it."""
     from tidal.frontend import AsyncEngineArgs
-    from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES
+    from tidal.utils.zmq_utils import MAX_MESSAGE_BYTES
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=long_model_dir, model_runner="null", max_model_len=1024))
     try:
@@ -524,7 +524,7 @@ async def test_a_request_too_big_for_the_core_is_refused_before_sending(long_mod
             await collect(engine, "big", "abc", SamplingParams(max_tokens=3, stop=["x" * (65 << 20)]))
         outs = [o async for o in bystander]
         assert len(outs[-1].outputs[0].token_ids) == 900 and outs[-1].finished
-        assert engine.engine_core.num_restarts == 0
+        assert engine.engine_core.supervisor.num_restarts == 0
         outs = await collect(engine, "next", "abc", SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(outs[-1].outputs[0].token_ids) == 3 and engine.get_num_unfinished_requests() == 0
     finally:

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tidal.frontend import LLM, AsyncLLM
+from tidal.frontend.supervisor import CoreState
 from tidal.protocol import EngineDeadError, EngineGenerateError, RequestOutputKind, SamplingParams
 
 try:
@@ -78,10 +79,10 @@ async def kill_core_at_random_moments(engine: AsyncLLM, streams: Streams, kills:
         target = n0 + rng.randrange(1, 40)
         while len(streams.arrivals) < target:
             await asyncio.sleep(0.002)
-        restarts = client.num_restarts
+        restarts = client.supervisor.num_restarts
         killed_at = time.monotonic()
         os.kill(client.process.pid, signal.SIGKILL)
-        while client.num_restarts == restarts or client.lost is not None:
+        while client.supervisor.num_restarts == restarts or not client.supervisor.live:
             await asyncio.sleep(0.002)
         n1 = len(streams.arrivals)
         while len(streams.arrivals) == n1:
@@ -119,7 +120,7 @@ async def test_chaos_three_sigkills_every_stream_resumes_exactly(tiny_model_dir:
         chaos = Streams(engine)
         delays = await asyncio.gather(chaos.run(params), kill_core_at_random_moments(
             engine, chaos, 3, random.Random(12)))
-        assert engine.engine_core.num_restarts == 3
+        assert engine.engine_core.supervisor.num_restarts == 3
         assert chaos.tokens == reference.tokens
         assert all(len(toks) == 40 for got in chaos.tokens.values() for toks in got.values())
         stats = await engine.get_stats()
@@ -144,7 +145,7 @@ async def test_requests_queued_through_sigkills_are_not_blamed(tiny_model_dir: s
         await reference.run(params)
         chaos = Streams(engine)
         await asyncio.gather(chaos.run(params), kill_core_at_random_moments(engine, chaos, 3, random.Random(5)))
-        assert engine.engine_core.num_restarts == 3
+        assert engine.engine_core.supervisor.num_restarts == 3
         assert chaos.tokens == reference.tokens
     finally:
         engine.shutdown()
@@ -180,7 +181,7 @@ def test_llm_generate_resumes_after_sigkill(tiny_model_dir: str, no_orphans: Non
         killer = kill_when_generating(llm, 20)
         resumed = llm.generate(prompts, params, use_tqdm=False)
         killer.join(60)
-        assert llm.engine_core.num_restarts == 1
+        assert llm.engine_core.supervisor.num_restarts == 1
         for ref, out in zip(reference, resumed):
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids
             assert out.outputs[0].text == ref.outputs[0].text
@@ -211,7 +212,7 @@ async def test_request_that_crashes_the_core_fails_alone(tiny_model_dir: str, no
         streams = Streams(engine)
 
         await streams.run(params, _crasher(streams))
-        assert engine.engine_core.num_restarts == 2  # crashed twice, then given up alone
+        assert engine.engine_core.supervisor.num_restarts == 2  # crashed twice, then given up alone
         assert streams.tokens == reference.tokens
         assert engine.get_num_unfinished_requests() == 0
     finally:
@@ -234,7 +235,7 @@ async def test_request_that_kills_a_worker_is_quarantined_then_fails_alone(
 
         await asyncio.wait_for(streams.run(params, _crasher(streams)), 300)
         # In a step with the others (all suspects), then alone twice: given up.
-        assert engine.engine_core.num_restarts == 3
+        assert engine.engine_core.supervisor.num_restarts == 3
         assert streams.tokens == reference.tokens
         assert engine.get_num_unfinished_requests() == 0
     finally:
@@ -248,7 +249,7 @@ async def test_a_failed_resume_fails_the_streams_instead_of_hanging(long_model_d
     EngineDeadError naming the cause."""
     engine = AsyncLLM(model=long_model_dir, model_runner="null", max_model_len=4096)
 
-    def broken_resume() -> list[Any]:
+    def broken_resume(failed_step_request_ids: Any) -> list[Any]:
         raise RuntimeError("injected: resubmission failed")
 
     monkeypatch.setattr(engine, "_resume_requests", broken_resume)
@@ -262,6 +263,25 @@ async def test_a_failed_resume_fails_the_streams_instead_of_hanging(long_model_d
                     pass
         with pytest.raises(EngineDeadError):
             await engine.check_health()
+    finally:
+        engine.shutdown()
+
+
+async def test_request_sent_while_the_core_restarts_is_served(long_model_dir: str, no_orphans: None) -> None:
+    """A request that arrives while the idle core is being replaced waits for the new core (no
+    output handler may start on the lost core's socket meanwhile) and runs there."""
+    engine = AsyncLLM(model=long_model_dir, model_runner="null")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    try:
+        assert [o async for o in engine.generate("abc", params, "a")][-1].finished
+        supervisor = engine.engine_core.supervisor
+        os.kill(engine.engine_core.process.pid, signal.SIGKILL)
+        while supervisor.state is not CoreState.RECONNECTING:  # the replacement is starting
+            await asyncio.sleep(0.001)
+        async with asyncio.timeout(60):
+            outs = [o async for o in engine.generate("abc", params, "b")]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        assert supervisor.live and supervisor.num_restarts == 1
     finally:
         engine.shutdown()
 
@@ -280,7 +300,7 @@ async def test_restart_budget_then_engine_dead_error(long_model_dir: str, no_orp
 
         with pytest.raises(EngineDeadError, match="Engine core is dead"):
             await asyncio.wait_for(streams.run(params, kill_twice()), 120)
-        assert engine.errored and engine.engine_core.num_restarts == 1
+        assert engine.errored and engine.engine_core.supervisor.num_restarts == 1
     finally:
         engine.shutdown()
 
@@ -317,7 +337,7 @@ async def test_headless_core_restarted_on_same_address_resumes(tiny_model_dir: s
             core = start_headless_core(tiny_model_dir, address)  # the operator's supervisor
 
         await asyncio.wait_for(streams.run(params, replace_core()), 180)
-        assert engine.engine_core.num_restarts == 1
+        assert engine.engine_core.supervisor.num_restarts == 1
         assert streams.tokens == reference.tokens
     finally:
         if engine is not None:
@@ -386,13 +406,13 @@ async def test_worker_sigkills_under_tp2_resume_every_stream(tp_model_dir: str, 
                 core = psutil.Process(client.process.pid)
                 workers = [p for p in core.children(recursive=True) if f"--rank {rank}" in " ".join(p.cmdline())]
                 assert len(workers) == 1
-                restarts = client.num_restarts
+                restarts = client.supervisor.num_restarts
                 workers[0].kill()
-                while client.num_restarts == restarts or client.lost is not None:
+                while client.supervisor.num_restarts == restarts or not client.supervisor.live:
                     await asyncio.sleep(0.002)
 
         await asyncio.wait_for(streams.run(params, kill_workers()), 600)
-        assert engine.engine_core.num_restarts == 3
+        assert engine.engine_core.supervisor.num_restarts == 3
         assert streams.tokens == reference.tokens
         assert all(len(toks) == 32 for got in streams.tokens.values() for toks in got.values())
         stats = await engine.get_stats()

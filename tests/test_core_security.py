@@ -21,7 +21,7 @@ import zmq
 from tidal.frontend import LLM, AsyncLLM
 from tidal.protocol import EngineConfig, RequestOutputKind, SamplingParams
 from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
-from tidal.protocol.curve import Curve, check_bind_security, generate_key_file, load_key_file
+from tidal.utils.curve import Curve, check_bind_security, generate_key_file, load_key_file
 from tidal.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,

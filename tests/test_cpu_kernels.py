@@ -15,17 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.protocol.utils import cdiv
+from tidal.protocol.sizing import cdiv
 from tidal.worker import cpu_kernels as ck
-from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
 from tidal.worker.attention_cpu import CpuAttentionBackend
+from tidal.worker.attention_metadata import AttentionMetadata
+from tidal.worker.attention_torch import TorchAttentionBackend
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.gemm import PackedWeight, PanelWeight, onednn_gemm_enabled
-from tidal.worker.panel_gemm import panel_gemm_available
 from tidal.worker.layers.layernorm import RMSNorm
 from tidal.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tidal.worker.layers.qk_norm_rope import QKNormRope
 from tidal.worker.layers.rotary import RotaryEmbedding
+from tidal.worker.panel_gemm import panel_gemm_available
 
 pytestmark = pytest.mark.skipif(ck.cpu_kernels() is None, reason="no C compiler: kernels unavailable")
 

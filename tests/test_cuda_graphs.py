@@ -24,8 +24,9 @@ import pytest  # noqa: E402
 from tidal.core.request import Request  # noqa: E402
 from tidal.core.scheduler import Scheduler  # noqa: E402
 from tidal.protocol import SamplingParams  # noqa: E402
-from tidal.worker.attention import AttentionMetadata, set_forward_context  # noqa: E402
+from tidal.worker.attention_metadata import AttentionMetadata  # noqa: E402
 from tidal.worker.cuda_graphs import CudaGraphRunner, backend_is_graph_safe, capture_sizes, padded_size  # noqa: E402
+from tidal.worker.forward_context import set_forward_context  # noqa: E402
 from tidal.worker.input_batch import InputBatch  # noqa: E402
 from tidal.worker.model_runner import ModelRunner  # noqa: E402
 

@@ -42,7 +42,7 @@ from engine_utils import (
 from fault_injection import use_prompt_logprobs_fault
 from tidal.core.engine_core import EngineCore
 from tidal.frontend import LLM
-from tidal.frontend.entrypoints.openai.serving_base import ServingContext
+from tidal.frontend.entrypoints.openai.serving_context import ServingContext
 from tidal.protocol import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from tidal.protocol.messages import EngineCoreRequest, ErrorKind, FinishReason
 

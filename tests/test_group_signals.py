@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tidal.protocol.utils import free_port
+from tidal.utils.network import free_port
 
 STARTUP_TIMEOUT_S = 180.0  # hang guards only: nothing here measures a duration
 EXIT_TIMEOUT_S = 120.0

@@ -24,7 +24,7 @@ from tidal.protocol.messages import (
     NewRequestData,
     SchedulerOutput,
 )
-from tidal.worker.attention import AttentionMetadata
+from tidal.worker.attention_metadata import AttentionMetadata
 from tidal.worker.input_batch import PAD_ROW, InputBatch
 from tidal.worker.model_runner import ModelRunner, _Batch
 

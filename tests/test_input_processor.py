@@ -258,8 +258,9 @@ def test_long_prompt_that_cannot_fit_is_refused_untokenized(ip: InputProcessor, 
     text = "ab " * 20000
     assert len(tokenizer.encode(text)) > MAX_LEN  # the reference: it really does not fit
     calls: list[int] = []
-    encode = ip._encode
-    monkeypatch.setattr(ip, "_encode", lambda t: calls.append(len(t)) or encode(t))
+    assert ip.encoder is not None
+    tokenize = ip.encoder.tokenize
+    monkeypatch.setattr(ip.encoder, "tokenize", lambda t, special=True: calls.append(len(t)) or tokenize(t, special))
     with pytest.raises(ValueError, match=rf"prompt of {len(text)} characters is too long for max_model_len {MAX_LEN}"):
         ip.process("r", text, SamplingParams())
     assert calls == []  # refused before tokenizing

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tidal.protocol.utils import kv_blocks_for_budget, kv_cache_budget_from_memory
+from tidal.protocol.sizing import kv_blocks_for_budget, kv_cache_budget_from_memory
 
 GIB = 1 << 30
 

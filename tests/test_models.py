@@ -11,13 +11,15 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from tidal.worker import attention
+from tidal.frontend.entrypoints.make_model import make_model
+from tidal.worker import attention_metadata
+from tidal.worker.attention import Attention
+from tidal.worker.attention_metadata import AttentionMetadata
 from tidal.worker.cpu_kernels import cpu_kernels
-from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context
+from tidal.worker.forward_context import set_forward_context
 from tidal.worker.layers.gemm import PanelWeight, half_storage_enabled
 from tidal.worker.layers.linear import LinearBase
 from tidal.worker.loader import load_model, resolve_dtype
-from tidal.frontend.entrypoints.make_model import make_model
 from tidal.worker.models.registry import MODEL_REGISTRY, get_model_class
 
 ATOL = 1e-4
@@ -63,8 +65,13 @@ class Loaded:
 
 
 def load_configs(configs: dict[str, tuple[str, dict[str, Any], int]],
-                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Loaded]:
-    """Each config made with make_model (seeded by its index) and loaded by tidal and transformers."""
+                 tmp_path_factory: pytest.TempPathFactory, cache_dir: str | None = None) -> dict[str, Loaded]:
+    """Each config made with make_model (seeded by its index) and loaded by tidal and transformers;
+    with `cache_dir`, the tokenizers are trained (or found) under it as TIDAL_CACHE_DIR."""
+    if cache_dir is not None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TIDAL_CACHE_DIR", cache_dir)
+            return load_configs(configs, tmp_path_factory)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -196,7 +203,7 @@ def test_incremental_and_mixed_batch(
     if not kernels:
         request.getfixturevalue("torch_ops_only")
     if gather_limit is not None:  # force several decode groups per step (torch backend)
-        monkeypatch.setattr(attention, "DECODE_GATHER_MAX_TOKENS", gather_limit)
+        monkeypatch.setattr(attention_metadata, "DECODE_GATHER_MAX_TOKENS", gather_limit)
     m = models[name]
     seqs = {s: rand_tokens(n, m.vocab_size, 10 + s) for s, n in ((0, 30), (1, 20), (2, 12))}
     ref = {s: hf_logits(m.hf, t) for s, t in seqs.items()}
@@ -357,7 +364,7 @@ def test_registry_and_loader_errors(tmp_path: Any, models: dict[str, Loaded]) ->
     from transformers import AutoConfig
 
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                   "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+                                   "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM"}
     cfg = AutoConfig.from_pretrained(models["qwen3-tied"].path)
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):

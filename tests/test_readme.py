@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tidal.protocol.utils import free_port
+from tidal.utils.network import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SKIP_MARK = re.compile(r"^<!--\s*readme-test:\s*skip:\s*(?P<reason>\S.*?)\s*-->$")

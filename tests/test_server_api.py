@@ -301,7 +301,7 @@ def test_chat_renders_off_the_event_loop(tiny_model_dir: str) -> None:
     import threading
     from types import SimpleNamespace
 
-    from tidal.frontend.entrypoints.openai.serving_base import ServingContext
+    from tidal.frontend.entrypoints.openai.serving_context import ServingContext
     from tidal.frontend.entrypoints.openai.serving_chat import render_chat
     from transformers import AutoTokenizer
 

@@ -132,7 +132,7 @@ def test_logging_config_file_applies_in_every_tidal_process(tmp_path: os.PathLik
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """setup_logging (every tidal process runs it) applies TIDAL_LOGGING_CONFIG_PATH, which
     --log-config-file sets for the engine processes, and keeps the loggers it does not name."""
-    from tidal.protocol.utils import setup_logging
+    from tidal.utils.logging_utils import setup_logging
 
     out = os.path.join(tmp_path, "log.txt")
     config = os.path.join(tmp_path, "log.json")

@@ -119,7 +119,7 @@ def test_which_engines_the_loop_yields_to() -> None:
 
 
 def test_spawner_call_times_out_and_hands_a_late_result_on() -> None:
-    from tidal.protocol.process import SpawnerThread
+    from tidal.utils.process import SpawnerThread
 
     spawner = SpawnerThread("test-spawner")
     late: list[str] = []

@@ -26,7 +26,8 @@ from engine_utils import (  # noqa: E402
     random_prompt, req, run_to_completion)
 from tidal.frontend.entrypoints.make_model import make_model  # noqa: E402
 from tidal.protocol.sliding_window import kv_sliding_window, layer_sliding_windows  # noqa: E402
-from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from tidal.worker.attention_metadata import AttentionMetadata  # noqa: E402
+from tidal.worker.attention_torch import TorchAttentionBackend  # noqa: E402
 from tidal.worker.cpu_kernels import cpu_kernels  # noqa: E402
 
 WINDOW, BS = 16, 4  # window a multiple of the block size, and one that is not (Qwen2 below)

@@ -184,7 +184,7 @@ def test_plain_config_defers_to_autoconfig_when_a_default_matters(tiny_model_dir
 
 
 def test_zeroed_kv_tensor() -> None:
-    from tidal.worker.attention import zeroed_kv_tensor
+    from tidal.worker.model_runner import zeroed_kv_tensor
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         t = zeroed_kv_tensor((7, 16, 2, 64), dtype, torch.device("cpu"))

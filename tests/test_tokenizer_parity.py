@@ -53,7 +53,7 @@ TEXTS = [
 # Model type (config.json) -> make_model arch.
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-         "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+         "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3"}
 SP_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
@@ -142,6 +142,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
     _sentencepiece_variant(variant("mixtral-sentencepiece", "mixtral"), sp_json, "LlamaTokenizer", True)
     _edit(variant("qwen3_moe-qwen2-class", "qwen3_moe"), "tokenizer_config.json",
           lambda c: c.update(tokenizer_class="Qwen2Tokenizer"))
+    # Phi-3 ships Llama 2's sentencepiece tokenizer under LlamaTokenizer, add_bos_token false.
+    _sentencepiece_variant(variant("phi3-sentencepiece", "phi3"), sp_json, "LlamaTokenizer", False)
     # qwen2 as make_model writes it is the reported case (Qwen2Tokenizer splits every digit).
     _edit(variant("qwen3-qwen2-class", "qwen3"), "tokenizer_config.json",
           lambda c: c.update(tokenizer_class="Qwen2Tokenizer"))
@@ -152,7 +154,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
 
 NAMES = ["llama", "llama-sentencepiece", "llama-cleanup", "mistral", "mistral-sentencepiece", "qwen2",
          "qwen3", "qwen3-qwen2-class", "qwen3-split-special", "mixtral", "mixtral-sentencepiece", "qwen3_moe",
-         "qwen3_moe-qwen2-class"]
+         "qwen3_moe-qwen2-class", "phi3", "phi3-sentencepiece"]
 
 
 @pytest.fixture(scope="module")

@@ -31,10 +31,12 @@ import pytest  # noqa: E402
 cpu_only = pytest.mark.skipif(ON_GPU, reason="runs on CPU tensors under the interpreter")
 pytest.importorskip("triton")
 
-from tidal.worker.attention import (  # noqa: E402
-    Attention, AttentionMetadata, TorchAttentionBackend, set_forward_context)
 from tidal.worker import attention_triton  # noqa: E402
+from tidal.worker.attention import Attention  # noqa: E402
+from tidal.worker.attention_metadata import AttentionMetadata  # noqa: E402
+from tidal.worker.attention_torch import TorchAttentionBackend  # noqa: E402
 from tidal.worker.attention_triton import TritonAttentionBackend, _num_splits  # noqa: E402
+from tidal.worker.forward_context import set_forward_context  # noqa: E402
 
 # Per q dtype: max |triton - float64 reference| (q, k, v ~ N(0, 1)).
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}

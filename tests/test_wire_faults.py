@@ -35,7 +35,7 @@ from tidal.protocol.messages import (
     UtilityRequest,
     decode_utility_result,
 )
-from tidal.protocol.zmq_utils import MAX_MESSAGE_BYTES, validate_address
+from tidal.utils.zmq_utils import MAX_MESSAGE_BYTES, validate_address
 
 try:
     from conftest import free_tcp_port

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from tidal.worker.attention import AttentionMetadata, TorchAttentionBackend
+from tidal.worker.attention_metadata import AttentionMetadata
+from tidal.worker.attention_torch import TorchAttentionBackend
 from tidal.worker.cpu_kernels import cpu_kernels, is_f32_cpu, ptr
 
 # Cache dtype -> suffix of the kernels reading / writing it. K/V and queries are float32 in

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.attention import AttentionBackend, AttentionMetadata
+from tidal.worker.attention_backends import AttentionBackend
+from tidal.worker.attention_metadata import AttentionMetadata
 
 try:
     from triton.runtime.interpreter import InterpretedFunction

@@ -25,8 +25,9 @@ from unittest import mock
 import torch
 from torch import nn
 
-from tidal.protocol.utils import cuda_graph_capture_sizes
-from tidal.worker.attention import AttentionMetadata, set_forward_context
+from tidal.protocol.sizing import cuda_graph_capture_sizes
+from tidal.worker.attention_metadata import AttentionMetadata
+from tidal.worker.forward_context import set_forward_context
 from tidal.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 
 def backend_is_graph_safe(device: torch.device) -> tuple[bool, str]:
     """Whether the attention backend the KV cache on `device` gets can be captured, and its name."""
-    from tidal.worker.attention import attention_backend_for
+    from tidal.worker.attention_backends import attention_backend_for
 
     backend = attention_backend_for(device)
     # A backend that reads only device tensors and host ints says so (the Triton one does).

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal.protocol.utils import cdiv
+from tidal.protocol.sizing import cdiv
 
 PAD_ROW = 0  # the per-request table's all-zero row, never owned by a request
 

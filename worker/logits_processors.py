@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tidal.protocol.sampling_params import SamplingParams
-from tidal.protocol.utils import GREEDY_EPS
+from tidal.protocol.sampling_params import GREEDY_EPS
 
 if TYPE_CHECKING:
     from tidal.worker.sampler import SamplingMetadata

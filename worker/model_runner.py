@@ -23,9 +23,11 @@ from torch import nn
 
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.sampling_params import SamplingParams
-from tidal.protocol.utils import summarize_exception
-from tidal.worker.attention import Attention, AttentionMetadata, set_forward_context, zeroed_kv_tensor
+from tidal.utils.logging_utils import summarize_exception
+from tidal.worker.attention import Attention
+from tidal.worker.attention_metadata import AttentionMetadata
 from tidal.worker.cuda_graphs import CudaGraphRunner, backend_is_graph_safe, capture_sizes
+from tidal.worker.forward_context import set_forward_context
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.sampler import Sampler
 from tidal.worker.step_sampling import StepSampling
@@ -69,6 +71,19 @@ class _Batch:
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On CPU the zeros come from calloc (numpy), which maps
+    fresh pages the kernel zeroes on first touch: `torch.zeros` wrote all of a 2 GiB cache at
+    start-up (~2 s), this costs nothing until a block is used. Aligned to 64 bytes (a cache
+    line) for the kernels' vector loads."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    buf = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64
+    return torch.from_numpy(buf[start: start + nbytes]).view(dtype).view(shape)
 
 
 class ModelRunner(StepSampling):

@@ -25,7 +25,7 @@ from torch import nn
 
 from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
-from tidal.protocol.utils import GREEDY_EPS
+from tidal.protocol.sampling_params import GREEDY_EPS
 from tidal.worker.block_ops import argmax, block_gather as _block_gather, block_reduce as _block_reduce, topk as _topk
 from tidal.worker.logits_processors import (NO_TOKEN, WEIGHT_FLOOR, Cutoffs, TokenRules, apply_penalties,
                                             argmax_is_masked, device_tensor, maskable_rows, processed_logits,

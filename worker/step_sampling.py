@@ -24,7 +24,7 @@ import torch
 from tidal.protocol.messages import LogprobsArrays, ModelRunnerOutput
 from tidal.protocol.request_rules import num_logprobs
 from tidal.protocol.sampling_params import SamplingParams
-from tidal.protocol.utils import summarize_exception
+from tidal.utils.logging_utils import summarize_exception
 from tidal.worker import logprobs as logprobs_mod
 from tidal.worker.block_ops import argmax
 from tidal.worker.logits_processors import (NO_TOKEN, apply_token_bitmask, argmax_is_masked, every_token_masked,

@@ -13,8 +13,8 @@ import torch
 from tidal.protocol.config import (DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ResolvedEngineInfo, config_positions,
                                    resolve_max_model_len)
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
-from tidal.protocol.utils import (kv_blocks_for_budget, kv_cache_budget_from_memory, max_step_tokens,
-                                  threads_per_rank)
+from tidal.protocol.sizing import kv_blocks_for_budget, kv_cache_budget_from_memory, max_step_tokens
+from tidal.utils.openmp import threads_per_rank
 from tidal.worker.hf_config import load_hf_config
 from tidal.worker.layers.gemm import warm_up_gemm_buckets
 from tidal.worker.startup_timer import StartupTimer

@@ -7,11 +7,11 @@ when it was raised inside a collective, i.e. most likely a peer's failure seen f
 
 Lifetime: PR_SET_PDEATHSIG(SIGKILL) ends the process when the core dies, even while it is
 blocked inside a gloo/NCCL collective (the executor forks workers from a thread that lives as
-long as they should, see protocol/process.py); a parent-pid poll covers the window before the
+long as they should, see tidal_pkg/utils/process.py); a parent-pid poll covers the window before the
 prctl and other platforms. The core owns shutdown (SHUTDOWN message, then SIGTERM/SIGKILL):
 a SIGTERM or SIGINT from anyone else -- the whole process group's, at its shutdown (`timeout`,
 systemd, Ctrl-C) -- is logged and ignored, so a rank never dies under a core that is still
-finishing the requests in flight (protocol/process.py's watch_signals tells the sender).
+finishing the requests in flight (tidal_pkg/utils/process.py's watch_signals tells the sender).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import zmq
 from tidal.protocol.codec import MsgpackDecoder, MsgpackEncoder
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import SchedulerOutput, WorkerFrame
-from tidal.protocol.process import GROUP_SIGNALS, end_by_signal, exit_with_parent, watch_signals
-from tidal.protocol.utils import format_frames, setup_logging, summarize_exception
+from tidal.utils.logging_utils import format_frames, setup_logging, summarize_exception
+from tidal.utils.process import GROUP_SIGNALS, end_by_signal, exit_with_parent, watch_signals
 
 logger = logging.getLogger("tidal.worker")
 

@@ -16,7 +16,7 @@ import os
 import sys
 
 from tidal.frontend import EngineArgs, config_from_args
-from tidal.protocol.utils import setup_logging
+from tidal.utils.logging_utils import setup_logging
 
 DEFAULT_CORE_ADDRESS = "tcp://127.0.0.1:5570"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # core/drain.py's (not imported here: the CLI starts fast)
@@ -71,12 +71,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_core(args: argparse.Namespace) -> int:
-    from tidal.protocol.utils import prefer_compute_process_env
+    from tidal.utils.openmp import prefer_compute_process_env
 
     prefer_compute_process_env()  # before torch loads (with the model)
     from tidal.core.core_proc import run_engine_core
-    from tidal.protocol.curve import check_bind_security, load_key_file
-    from tidal.protocol.zmq_utils import validate_address
+    from tidal.utils.curve import check_bind_security, load_key_file
+    from tidal.utils.zmq_utils import validate_address
 
     # Every refusal before the model loads: a wildcard, a bind off loopback without a key, a
     # key file that is unreadable, malformed or readable by others.
@@ -94,7 +94,7 @@ def _cmd_core(args: argparse.Namespace) -> int:
 
 
 def _cmd_core_keygen(args: argparse.Namespace) -> int:
-    from tidal.protocol.curve import generate_key_file
+    from tidal.utils.curve import generate_key_file
 
     generate_key_file(args.file)
     print(f"wrote {os.path.abspath(args.file)} (mode 600): pass it as `tidal core --key-file` and as "

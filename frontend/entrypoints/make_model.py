@@ -1,7 +1,7 @@
 """Make small Hugging Face checkpoints offline, in seconds: tests and the embedded default model.
 
 A byte-level BPE tokenizer is trained with the `tokenizers` library on a fixed slice of Python's
-own standard library sources (cached per vocab size), and a Llama/Mistral/Qwen2/Qwen3 or
+own standard library sources (cached per vocab size), and a Llama/Mistral/Qwen2/Qwen3/Phi-3 or
 Qwen3-MoE/Mixtral model with seeded random weights is built with `transformers` and saved as
 safetensors.
 """
@@ -51,6 +51,7 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
@@ -171,7 +172,7 @@ def make_model(
     logits with top-1/top-2 gaps far above float32 noise, so greedy comparisons against
     transformers are not decided by near-ties. tie_word_embeddings defaults to True for the
     Qwen archs and False for Llama/Mistral, as the published small models do.
-    sliding_window: every layer attends over that many positions (Mistral; Qwen2/Qwen3 with
+    sliding_window: every layer attends over that many positions (Mistral, Phi-3; Qwen2/Qwen3 with
     use_sliding_window and max_window_layers 0, which config_overrides can raise); None: full.
     The MoE archs (qwen3_moe, mixtral) take num_experts experts, num_experts_per_tok of them
     per token; moe_intermediate_size is each Qwen3-MoE expert's width (default hidden_size;
@@ -213,7 +214,7 @@ def make_model(
         hidden_act="silu",
         use_cache=True,
     )
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "phi3"):
         cfg["sliding_window"] = sliding_window  # MistralConfig's default would be 4096
     elif arch in ("qwen2", "qwen3") and sliding_window is not None:
         cfg.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
@@ -224,6 +225,9 @@ def make_model(
                    moe_intermediate_size=moe_intermediate_size or hidden_size)
     elif arch == "mixtral":
         cfg.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    elif arch == "phi3":  # Phi3Config keeps the pre-training context at the top level (default 4096)
+        cfg["original_max_position_embeddings"] = int((rope_scaling or {}).get("original_max_position_embeddings")
+                                                      or max_position_embeddings)
     cfg.update(config_overrides or {})
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     config = getattr(transformers, config_name)(**cfg)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.protocol.utils import cdiv
+from tidal.protocol.sizing import cdiv
 from tidal.worker.layers.gemm import PanelWeight, PackedWeight, linear, pack_if_enabled
 from tidal.worker.layers.linear import LoadedWeight, copy_checked, narrow_weight, weight_shape
 from tidal.worker.parallel_state import (

@@ -58,6 +58,7 @@ class QKNormRope(nn.Module):
         return (
             qkv.dim() == 2 and qkv.shape[1] == width and qkv.stride(1) == 1 and qkv.stride(0) >= width
             and positions.shape == (qkv.shape[0],) and positions.device.type == "cpu" and self.head_dim % 2 == 0
+            and self.rotary_emb.rotary_dim == self.head_dim  # the kernel rotates whole heads
             and all(w.shape == (self.head_dim,) and w.is_contiguous() for w in weights)
             and is_f32_cpu(qkv, self.rotary_emb.cos_cache, *weights)
         )

@@ -29,7 +29,20 @@ def rope_params_from_config(hf_config: Any) -> tuple[float, dict[str, Any] | Non
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             scaling = None
+        elif rope_type == "su":  # older Phi-3 configs' name for longrope (as Phi3Config reads it)
+            scaling = {**scaling, "rope_type": "longrope"}
+            scaling.pop("type", None)
     return float(theta), (dict(scaling) if scaling is not None else None)
+
+
+def rotary_dim_from_config(hf_config: Any, head_dim: int) -> int:
+    """How many leading dimensions of each head RoPE rotates: head_dim x partial_rotary_factor
+    (Phi-4-mini 0.75), from transformers>=5's `rope_parameters` or the config's own field."""
+    params = getattr(hf_config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None)
+    return head_dim if factor is None else int(head_dim * float(factor))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -149,8 +162,8 @@ class RotaryEmbedding(nn.Module):
         original_max_position_embeddings); `num_positions`: positions served, if more than
         max_position (a context extended by the scaling)."""
         super().__init__()
-        if rotary_dim != head_size:
-            raise NotImplementedError("partial rotary embeddings are not supported")
+        if not 0 < rotary_dim <= head_size or rotary_dim % 2:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, head_size {head_size}]")
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         self.max_position = max(num_positions or max_position, max_position)  # rows of the tables
@@ -182,10 +195,18 @@ class RotaryEmbedding(nn.Module):
         num_tokens = positions.shape[0]
         cos = self.cos_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
-        q = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin).view_as(query)
-        k = self._rotate(key.view(num_tokens, -1, self.head_size), cos, sin).view_as(key)
+        q = self._rotate_heads(query.view(num_tokens, -1, self.head_size), cos, sin).view_as(query)
+        k = self._rotate_heads(key.view(num_tokens, -1, self.head_size), cos, sin).view_as(key)
         return q, k
 
+    def _rotate_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_size:
+            return self._rotate(x, cos, sin)
+        # Partial rotary (transformers' apply_rotary_pos_emb): the first rotary_dim dims of each
+        # head rotate, the rest pass through.
+        return torch.cat((self._rotate(x[..., : self.rotary_dim], cos, sin), x[..., self.rotary_dim :]), dim=-1)
+
     def extra_repr(self) -> str:
-        return f"head_size={self.head_size}, max_position={self.max_position}, base={self.base}, type={self.rope_type}"
+        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+                f"base={self.base}, type={self.rope_type}")
 

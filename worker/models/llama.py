@@ -28,7 +28,7 @@ from tidal.worker.layers.linear import (
     default_weight_loader,
 )
 from tidal.worker.layers.qk_norm_rope import QKNormRope
-from tidal.worker.layers.rotary import RotaryEmbedding, rope_params_from_config
+from tidal.worker.layers.rotary import RotaryEmbedding, rope_params_from_config, rotary_dim_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_theta, rope_scaling = rope_params_from_config(config)
-        self.rotary_emb = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, rope_theta, rope_scaling,
+        self.rotary_emb = RotaryEmbedding(head_dim, rotary_dim_from_config(config, head_dim),
+                                          config.max_position_embeddings, rope_theta, rope_scaling,
                                           getattr(config, "original_max_position_embeddings", None),
                                           num_positions=config_positions(config))
         self.layers = nn.ModuleList(

@@ -15,6 +15,7 @@ from tidal.worker.models.llama import (
     Qwen3ForCausalLM,
 )
 from tidal.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from tidal.worker.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,6 +24,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tidal import __version__
 from tidal.frontend import AsyncEngineArgs, AsyncLLM
 from tidal.frontend.entrypoints.openai.cli_args import load_chat_template
+from tidal.frontend.entrypoints.openai.disconnect import ClientGone
 from tidal.frontend.entrypoints.openai.errors import APIError, from_exception
 from tidal.frontend.entrypoints.openai.graceful_server import ABORT_GRACE_S, GracefulServer
 from tidal.frontend.entrypoints.openai.limits import RequestSizeLimits
@@ -59,13 +60,13 @@ from tidal.frontend.entrypoints.openai.server_flags import (
     remove_uds,
     uvicorn_kwargs,
 )
-from tidal.frontend.entrypoints.openai.serving_base import ChatOptions, ClientGone, ServingContext
 from tidal.frontend.entrypoints.openai.serving_chat import ChatHandler, render_chat
 from tidal.frontend.entrypoints.openai.serving_completions import CompletionsHandler
+from tidal.frontend.entrypoints.openai.serving_context import ChatOptions, ServingContext
 from tidal.frontend import lower_thread_priority
 from tidal.protocol import envs
 from tidal.protocol.errors import EngineDeadError
-from tidal.protocol.utils import omp_wait_is_tidals
+from tidal.utils.openmp import omp_wait_is_tidals
 
 logger = logging.getLogger(__name__)
 

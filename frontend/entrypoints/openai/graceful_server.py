@@ -2,7 +2,7 @@
 
 A shutdown is never a crash. The SIGTERM or SIGINT usually reaches the whole process group
 (`timeout`, systemd's default KillMode, a terminal's Ctrl-C), so the engine core and its workers
-get it at the same moment; they leave it to this process (core/core_proc.py, protocol/process.py).
+get it at the same moment; they leave it to this process (core/core_proc.py, tidal_pkg/utils/process.py).
 This server drains: the engine is told it is shutting down (a core that goes from then on is
 not restarted), uvicorn stops accepting and waits for the requests in flight, and at
 --shutdown-timeout the ones still running are aborted so that every stream still ends with its
@@ -52,7 +52,7 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._ending is None:  # the first signal (a second SIGINT forces uvicorn's exit)
-            self.engine.engine_core.shutting_down = True
+            self.engine.begin_shutdown()  # no core restart from now on
             self._ending = asyncio.get_running_loop().create_task(self._abort_at_timeout(),
                                                                   name="tidal-shutdown-timeout")
         super().handle_exit(sig, frame)

@@ -32,7 +32,7 @@ class StreamOptions(msgspec.Struct):
 
     @property
     def continuous(self) -> bool:
-        """Usage in every chunk, when usage is included at all (see serving_base.include_usage)."""
+        """Usage in every chunk, when usage is included at all (see sse.StreamFraming)."""
         return self.continuous_usage_stats is not msgspec.UNSET and bool(self.continuous_usage_stats)
 
 
@@ -105,7 +105,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's request extras: the id the response reports, token ids in the response,
-    # logprob tokens as "token_id:N", the prefix-cache salt; and two refused (see serving_base)
+    # logprob tokens as "token_id:N", the prefix-cache salt; and two refused (see request_params.check_request)
     request_id: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None

@@ -23,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from tidal.protocol.utils import apply_logging_config, load_logging_config
+from tidal.utils.logging_utils import apply_logging_config, load_logging_config
 
 logger = logging.getLogger(__name__)
 

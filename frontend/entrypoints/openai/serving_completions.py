@@ -9,44 +9,26 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from tidal.frontend import plain_token_ids
+from tidal.frontend import keep_last, plain_token_ids
+from tidal.frontend.entrypoints.openai.disconnect import until_disconnect
+from tidal.frontend.entrypoints.openai.engine_streams import final_output, gather_all, merged, primed
 from tidal.frontend.entrypoints.openai.errors import APIError
+from tidal.frontend.entrypoints.openai.logprobs import LogprobsBuilder, concat, prompt_logprobs_out
 from tidal.frontend.entrypoints.openai.protocol import (
     CompletionChoice,
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamChoiceIds,
-    UsageChunk,
     UsageInfo,
 )
-from tidal.frontend.entrypoints.openai.serving_base import (
-    DONE,
-    ServingContext,
-    SSEResponse,
-    check_request,
-    continuous_usage,
-    final_output,
-    gather_all,
-    include_usage,
-    merged,
-    primed,
-    prompt_logprobs_out,
-    request_ids,
-    sampling_params,
-    sse,
-    sse_error,
-    stream_framing,
-    truncated,
-    until_disconnect,
-    usage_tail,
-)
+from tidal.frontend.entrypoints.openai.request_params import check_request, request_ids, sampling_params
+from tidal.frontend.entrypoints.openai.serving_context import ServingContext
+from tidal.frontend.entrypoints.openai.sse import SSEResponse, StreamFraming, event_stream
 from tidal.protocol.outputs import CompletionOutput, RequestOutput
 
 _encode = msgspec.json.encode
@@ -61,22 +43,23 @@ def _num_prompts(p: object) -> int:
     return 1
 
 
-async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
-    """The request's prompts, tokenized (text kept for echo and RequestOutput.prompt)."""
+async def completion_prompts(ctx: ServingContext, req: CompletionRequest, keep: int | None) -> list[Prompt]:
+    """The request's prompts, tokenized and truncated to their last `keep` tokens if given
+    (text kept for echo and RequestOutput.prompt)."""
     p = req.prompt
     if p is None or p == "" or p == []:
         raise APIError("Either prompt or prompt_embeds must be provided and non-empty.",
                        HTTPStatus.BAD_REQUEST, "prompt")
     if isinstance(p, str):
-        return [(p, await ctx.encode(p, req.add_special_tokens, req.truncate_prompt_tokens))]
+        return [(p, await ctx.encode(p, req.add_special_tokens, keep))]
     if (ids := plain_token_ids(p)) is not None:
-        return [(None, ids)]
+        return [(None, keep_last(ids, keep))]
     prompts: list[Prompt] = []
     for item in p:
         if isinstance(item, str):
-            prompts.append((item, await ctx.encode(item, req.add_special_tokens, req.truncate_prompt_tokens)))
+            prompts.append((item, await ctx.encode(item, req.add_special_tokens, keep)))
         elif isinstance(item, list) and (ids := plain_token_ids(item)) is not None:
-            prompts.append((None, ids))
+            prompts.append((None, keep_last(ids, keep)))
         else:
             raise APIError("prompt must be a string, a list of strings, a list of token ids or a list "
                            "of token-id lists", HTTPStatus.BAD_REQUEST, "prompt")
@@ -91,41 +74,6 @@ def _logprob_params(req: CompletionRequest) -> tuple[int | None, int | None]:
     return req.logprobs, prompt_lps
 
 
-class LogprobsBuilder:
-    """OpenAI's completion logprobs (vLLM's _create_completion_logprobs): per token its text,
-    logprob, the top `k` (plus the chosen one) by text, and its character offset in the text;
-    `as_ids` (return_tokens_as_token_ids): each token's text is "token_id:N"."""
-
-    def __init__(self, tokenizer: Any, k: int, as_ids: bool = False) -> None:
-        self.tokenizer, self.k, self.as_ids = tokenizer, k, as_ids
-
-    def _text(self, token_id: int, decoded: str | None) -> str:
-        if self.as_ids:
-            return f"token_id:{token_id}"
-        if decoded is not None:
-            return decoded
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
-
-    def build(self, token_ids: list[int], positions: Any, offset: int) -> CompletionLogProbs:
-        lps = CompletionLogProbs([], [], [], [])
-        k = self.k
-        for token_id, pos in zip(token_ids, positions):
-            if not pos:  # the first prompt position: nothing precedes it
-                text = self._text(token_id, None)
-                lps.token_logprobs.append(None)
-                lps.top_logprobs.append(None)
-            else:
-                chosen = pos.get(token_id)
-                text = self._text(token_id, chosen.decoded_token if chosen is not None else None)
-                lps.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen is not None else None)
-                lps.top_logprobs.append({self._text(t, lp.decoded_token): max(lp.logprob, -9999.0)
-                                         for j, (t, lp) in enumerate(pos.items()) if j <= k})
-            lps.tokens.append(text)
-            lps.text_offset.append(offset)
-            offset += len(text)
-        return lps
-
-
 class CompletionsHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -137,12 +85,11 @@ class CompletionsHandler:
             raise APIError("suffix is not supported", HTTPStatus.BAD_REQUEST, "suffix")
         check_request(req)
         ctx.limits.check(_num_prompts(req.prompt), req, ctx.vocab_size)
-        prompts = await completion_prompts(ctx, req)
+        prompts = await completion_prompts(ctx, req, ctx.truncation(req))
         logprobs, prompt_lps = _logprob_params(req)
-        rid, engine_rid = request_ids("cmpl", request, req)
+        rid, engine_rid = request_ids("cmpl", request, req, ctx.request_ids)
         gens = []
         for i, (text, ids) in enumerate(prompts):
-            ids = truncated(ids, req.truncate_prompt_tokens, ctx.max_model_len)
             # echo with max_tokens 0 (OpenAI's, used to score a prompt): the engine makes one
             # token, which the reply leaves out (_echo_only).
             max_tokens = ctx.resolve_max_tokens(len(ids), 1 if _echo_only(req) else req.max_tokens)
@@ -178,7 +125,7 @@ class CompletionsHandler:
             logprobs = builder.build(o.token_ids, o.logprobs or [], len(prompt_text))
             if req.echo and final.prompt_logprobs is not None:
                 head = builder.build(final.prompt_token_ids, final.prompt_logprobs, 0)
-                logprobs = _concat(head, logprobs)
+                logprobs = concat(head, logprobs)
         ids = req.return_token_ids
         return CompletionChoice(index, prompt_text + text, logprobs, o.finish_reason, o.stop_reason,
                                 prompt_logprobs_out(final) if req.prompt_logprobs is not None else None,
@@ -191,53 +138,38 @@ class CompletionsHandler:
         return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
     # ------------------------------------------------------------------- streamed
-    async def _stream(self, req: CompletionRequest, rid: str, model: str,
-                      streams: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]) -> AsyncIterator[bytes]:
-        with_usage = include_usage(req, self.ctx)
-        continuous = with_usage and continuous_usage(req)
-        prefix, suffix = stream_framing("text_completion", rid, model, with_usage)
+    def _stream(self, req: CompletionRequest, rid: str, model: str,
+                streams: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]) -> AsyncIterator[bytes]:
+        framing = StreamFraming("text_completion", rid, model, req, self.ctx.options.force_include_usage)
         builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0, self.ctx.tokens_as_ids(req))
         offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
         choice_tokens: dict[int, int] = {}  # choice index -> tokens streamed (continuous usage)
         seen_prompts: set[int] = set()
-        prompt_tokens = completion_tokens = 0
-        outputs = merged(streams)
-        # Events ready at once share one write: an output's choices (n > 1), and the stream's
-        # tail (its last chunk, the usage chunk and [DONE]).
-        parts: list[bytes] = []
+        usage = UsageInfo()
         left = len(streams)  # prompts not finished yet
-        try:
-            async for i, out in outputs:
-                for o in out.outputs:
-                    o = _without_generation(o) if _echo_only(req) else o
-                    index = i * req.n + o.index
-                    completion_tokens += len(o.token_ids)
-                    if i not in seen_prompts:
-                        seen_prompts.add(i)
-                        prompt_tokens += len(out.prompt_token_ids)
-                    first = index not in offsets  # this choice's first chunk
-                    if first:
-                        offsets[index] = 0
-                    choice = self._chunk(req, builder, index, out, o, offsets, first)
-                    if continuous:
-                        choice_tokens[index] = n = choice_tokens.get(index, 0) + len(o.token_ids)
-                        parts.append(prefix + _encode(choice) + usage_tail(len(out.prompt_token_ids), n))
-                    else:
-                        parts.append(prefix + _encode(choice) + suffix)
-                if out.finished:
-                    left -= 1
-                if left and parts:
-                    yield parts[0] if len(parts) == 1 else b"".join(parts)
-                    parts = []
-            if with_usage:
-                usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
-                parts.append(sse(UsageChunk(rid, "text_completion", int(time.time()), model, [], usage)))
-        except Exception as e:
-            parts.append(sse_error(e))
-        finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
-        parts.append(DONE)
-        yield b"".join(parts)
+
+        def events(item: tuple[int, RequestOutput]) -> tuple[list[bytes], bool]:
+            nonlocal left
+            i, out = item
+            parts = []
+            for o in out.outputs:
+                o = _without_generation(o) if _echo_only(req) else o
+                index = i * req.n + o.index
+                usage.completion_tokens += len(o.token_ids)
+                if i not in seen_prompts:
+                    seen_prompts.add(i)
+                    usage.prompt_tokens += len(out.prompt_token_ids)
+                first = index not in offsets  # this choice's first chunk
+                if first:
+                    offsets[index] = 0
+                choice_tokens[index] = n = choice_tokens.get(index, 0) + len(o.token_ids)
+                parts.append(framing.chunk(self._chunk(req, builder, index, out, o, offsets, first),
+                                           len(out.prompt_token_ids), n))
+            if out.finished:
+                left -= 1
+            return parts, not left  # the last prompt's end: its events go with the stream's tail
+
+        return event_stream(merged(streams), events, framing, usage)
 
     def _chunk(self, req: CompletionRequest, builder: LogprobsBuilder, index: int, out: RequestOutput,
                o: CompletionOutput, offsets: dict[int, int], first: bool) -> CompletionStreamChoice:
@@ -251,7 +183,7 @@ class CompletionsHandler:
         if req.logprobs is not None:
             logprobs = builder.build(o.token_ids, o.logprobs or [], offset + (len(text) - len(o.text)))
             if echo and out.prompt_logprobs is not None:
-                logprobs = _concat(builder.build(out.prompt_token_ids, out.prompt_logprobs, offset), logprobs)
+                logprobs = concat(builder.build(out.prompt_token_ids, out.prompt_logprobs, offset), logprobs)
         offsets[index] = offset + len(text)
         if req.return_token_ids:
             return CompletionStreamChoiceIds(index, text, logprobs, o.finish_reason, o.stop_reason, o.token_ids,
@@ -269,7 +201,3 @@ def _without_generation(o: CompletionOutput) -> CompletionOutput:
     return dataclasses.replace(o, text="", token_ids=[], cumulative_logprob=None,
                                logprobs=None if o.logprobs is None else [], finish_reason="length", stop_reason=None)
 
-
-def _concat(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
-    return CompletionLogProbs(a.text_offset + b.text_offset, a.token_logprobs + b.token_logprobs,
-                              a.tokens + b.tokens, a.top_logprobs + b.top_logprobs)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 import zmq
 
 if TYPE_CHECKING:
-    from tidal.protocol.curve import Curve
+    from tidal.utils.curve import Curve
 
 LOOPBACK = "127.0.0.1"
 
@@ -112,7 +112,7 @@ def make_socket(
 ) -> zmq.Socket:
     """Every option is set before bind/connect: libzmq applies options to a connection when
     it is made, so one set afterwards never reaches it. `curve`: CURVE security (see
-    protocol/curve.py), server side when binding a keyed core, client side when connecting."""
+    tidal_pkg/utils/curve.py), server side when binding a keyed core, client side when connecting."""
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)

@@ -1,5 +1,5 @@
-"""Process helpers every tidal child uses: die with the parent, reap children, listen sockets,
-and tell a signal from the owner apart from one sent to the whole process group.
+"""Process helpers every tidal child uses: die with the parent, reap children, and tell a
+signal from the owner apart from one sent to the whole process group.
 
 Parent death on Linux is PR_SET_PDEATHSIG, which the kernel ties to the *thread* that forked
 the child, not to its process: a child spawned from a short-lived thread would be signalled
@@ -26,7 +26,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator, Sequence
 
-from tidal.protocol.utils import Deadline
+from tidal.utils.deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +66,6 @@ def exit_with_parent(sig: int = signal.SIGKILL) -> ParentWatch:
     if os.getppid() != parent:  # died before prctl took effect
         os._exit(1)
     return ParentWatch(parent)
-
-
-def listen_socket(host: str = "127.0.0.1", backlog: int = 128) -> socket.socket:
-    """A TCP socket already bound to a kernel-chosen free port and listening: the port is
-    held from this moment, so nothing else on the host can take it (no choose-then-bind race).
-    Hand its fd to the process that serves it (subprocess `pass_fds`)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind((host, 0))
-        s.listen(backlog)
-    except BaseException:
-        s.close()
-        raise
-    return s
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> int | None:

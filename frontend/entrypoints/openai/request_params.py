@@ -1,0 +1,84 @@
+"""What a completions or chat request's own fields make of it before the engine sees it: the
+checks no SamplingParams field covers, its SamplingParams (constraint included), its ids."""
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from tidal.frontend import RequestIds, random_request_id
+from tidal.frontend.entrypoints.openai.errors import APIError
+from tidal.frontend.entrypoints.openai.protocol import SamplingFields
+from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
+from tidal.protocol.structured_outputs import CONSTRAINTS, StructuredOutputsParams
+
+
+def request_ids(prefix: str, request: Request, req: SamplingFields, ids: RequestIds) -> tuple[str, str]:
+    """(the id the response reports, the base of its engine request ids). As vLLM's: the
+    `X-Request-Id` header, else the body's `request_id`, else a random one, after `prefix-`.
+    A caller's id need not be unique, so the engine's ids are made unique by the library's one
+    scheme (RequestIds)."""
+    given = request.headers.get("x-request-id") or req.request_id
+    rid = f"{prefix}-{given or random_request_id()}"
+    return rid, ids.unique(rid)
+
+
+def check_request(req: SamplingFields) -> None:
+    """vLLM's request validators that no SamplingParams field covers: 400 naming the field."""
+    if req.stream and req.prompt_logprobs:  # 0 asks for none, as vLLM allows
+        raise APIError("`prompt_logprobs` are not available when `stream=True`.",
+                       HTTPStatus.BAD_REQUEST, "prompt_logprobs")
+    if req.stream_options is not None and req.stream_options.given and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.",
+                       HTTPStatus.BAD_REQUEST, "stream_options")
+    if req.use_beam_search:
+        raise APIError("use_beam_search is not supported by tidal's server (LLM.beam_search offers it offline)",
+                       HTTPStatus.BAD_REQUEST, "use_beam_search")
+    if req.logits_processors:
+        raise APIError("The `logits_processors` argument is not supported by this server.",
+                       HTTPStatus.BAD_REQUEST, "logits_processors")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise APIError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                       HTTPStatus.BAD_REQUEST, "cache_salt")
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams (ValueError, i.e. 400, for a value out of range);
+    DELTA output when streamed, else FINAL_ONLY. truncate_prompt_tokens is the server's to
+    apply (it needs the prompt's length first), so it is not passed on."""
+    return SamplingParams.from_optional(
+        n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, temperature=req.temperature, top_p=req.top_p,
+        top_k=0 if req.top_k is None else req.top_k, min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, bad_words=req.bad_words,
+        include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+        structured_outputs=structured_outputs(req))
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint from `structured_outputs` and `response_format` (as vLLM: both
+    may be given only if they name one constraint together; ValueError, i.e. 400, otherwise)."""
+    so, rf = req.structured_outputs, req.response_format
+    fields: dict[str, Any] = {} if so is None else msgspec.structs.asdict(so)
+    if rf is not None and rf.type == "json_object":
+        fields["json_object"] = True
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise APIError("response_format of type json_schema needs json_schema.schema",
+                           HTTPStatus.BAD_REQUEST, "response_format")
+        fields["json"] = rf.json_schema.json_schema
+    elif rf is not None and rf.type == "structural_tag":
+        tag = ({"type": "structural_tag", "format": rf.format} if rf.format is not None
+               else {"structures": rf.structures or [], "triggers": rf.triggers or []})
+        fields["structural_tag"] = json.dumps(tag)
+    if all(fields.get(name) is None for name in CONSTRAINTS):
+        return None  # no constraint (options alone, or response_format "text")
+    return StructuredOutputsParams(**fields)
