@@ -30,7 +30,8 @@ from tidal.core.request import Request, RequestStatus
 from tidal.core.request_queue import RequestQueue, create_request_queue
 
 if TYPE_CHECKING:
-    from tidal.core.scheduler import Scheduler, _StepPlan
+    from tidal.core.scheduler import Scheduler
+    from tidal.core.step_plan import StepPlan
 
 
 class Quarantine:
@@ -59,7 +60,7 @@ class Quarantine:
                 del self.requests[rid]
                 request.quarantined = False
 
-    def schedule(self, sched: "Scheduler", plan: "_StepPlan") -> None:
+    def schedule(self, sched: "Scheduler", plan: "StepPlan") -> None:
         """Plan one step (Scheduler.schedule, while any request is quarantined)."""
         self._lift_progressed()
         if not self.requests:
@@ -85,7 +86,7 @@ class Quarantine:
                 candidate = request
         return candidate
 
-    def _solo_step(self, sched: "Scheduler", plan: "_StepPlan") -> None:
+    def _solo_step(self, sched: "Scheduler", plan: "StepPlan") -> None:
         request = self._pick(sched)
         if request is None:
             return
@@ -94,7 +95,7 @@ class Quarantine:
         else:  # admits it alone, if blocks and seats allow
             sched.plan_step(plan, [], _queue(sched, [request]))
 
-    def _others_step(self, sched: "Scheduler", plan: "_StepPlan") -> None:
+    def _others_step(self, sched: "Scheduler", plan: "StepPlan") -> None:
         running = [r for r in sched.running if not r.quarantined]
         if len(running) == len(sched.running):
             running = sched.running  # nothing held out: the scheduler's own list

@@ -27,23 +27,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.quarantine import Quarantine
 from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.core.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from tidal.core.step_plan import StepPlan
+from tidal.core.stop_check import check_stop
 from tidal.core.structured_output import GrammarConflictError
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import (
-    CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
     ErrorKind,
     FinishReason,
     LogprobsArrays,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -52,18 +51,6 @@ from tidal.protocol.sliding_window import model_kv_sliding_window
 from tidal.utils.logging_utils import summarize_exception
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _StepPlan:
-    """What `schedule()` has decided so far in one step."""
-
-    token_budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    # By id, in scheduling order: a priority preemption may take one back out.
-    cached_reqs: dict[str, CachedRequestData] = field(default_factory=dict)
-    preempted: bool = False
 
 
 class Scheduler:
@@ -201,7 +188,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.max_num_batched_tokens)
+        plan = StepPlan(self.max_num_batched_tokens)
         if self.quarantine:
             self.quarantine.schedule(self, plan)
         else:
@@ -219,7 +206,7 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
         )
 
-    def plan_step(self, plan: _StepPlan, running: list[Request], waiting: RequestQueue) -> None:
+    def plan_step(self, plan: StepPlan, running: list[Request], waiting: RequestQueue) -> None:
         """Plan a step from explicit inputs: `running` (self.running, or a list of some of its
         requests in its order) and `waiting` (self.waiting, or a queue of some of its requests).
         A preemption victim comes from `running` only; an admitted request leaves `waiting`
@@ -228,7 +215,7 @@ class Scheduler:
         if not plan.preempted:  # no WAITING request joins a step that had to preempt
             self._schedule_waiting(plan, waiting)
 
-    def _schedule_running(self, plan: _StepPlan, running: list[Request]) -> None:
+    def _schedule_running(self, plan: StepPlan, running: list[Request]) -> None:
         """`running` requests, in admission order; preempt (see the invariants) when blocks run out."""
         kv = self.kv_cache_manager
         subset = running is not self.running
@@ -246,7 +233,7 @@ class Scheduler:
                     self.running.remove(victim)
                 if victim_index < req_index:
                     req_index -= 1  # `request` moved up one place
-                self._unschedule(victim, plan)
+                plan.take_back(victim)
                 self._preempt(victim)
                 plan.preempted = True
                 if victim is request:
@@ -256,15 +243,7 @@ class Scheduler:
                 # those after it outrank it and still get their turn (vLLM stops here instead,
                 # leaving them, and maybe the whole step, idle).
                 continue
-            plan.cached_reqs[request.request_id] = CachedRequestData(
-                req_id=request.request_id,
-                new_token_ids=request.all_token_ids[request.num_synced_tokens :],
-                new_block_ids=new_block_ids,
-                num_computed_tokens=request.num_computed_tokens,
-            )
-            request.num_synced_tokens = request.num_tokens
-            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
-            plan.token_budget -= num_new_tokens
+            plan.enter(request, num_new_tokens, new_block_ids, new=False)
             req_index += 1
 
     def _victim_index(self, running: list[Request]) -> int:
@@ -274,14 +253,7 @@ class Scheduler:
             return len(running) - 1
         return max(range(len(running)), key=lambda i: running[i].sort_key)
 
-    def _unschedule(self, request: Request, plan: _StepPlan) -> None:
-        """Take a request scheduled earlier this step back out of it (it is being preempted)."""
-        num_tokens = plan.num_scheduled_tokens.pop(request.request_id, None)
-        if num_tokens is not None:
-            plan.token_budget += num_tokens
-            del plan.cached_reqs[request.request_id]
-
-    def _schedule_waiting(self, plan: _StepPlan, waiting: RequestQueue) -> None:
+    def _schedule_waiting(self, plan: StepPlan, waiting: RequestQueue) -> None:
         """WAITING requests in `waiting`'s order, while blocks, budget and seats last."""
         kv = self.kv_cache_manager
         skipped: list[Request] = []  # waiting for their grammar: passed over, put back in order
@@ -310,20 +282,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED)
-            plan.new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    sampling_params=request.sampling_params,
-                    block_ids=kv.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit_tokens,
-                    output_token_ids=list(request.output_token_ids),
-                    eos_token_id=request.eos_token_id,
-                )
-            )
-            request.num_synced_tokens = request.num_tokens
-            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
-            plan.token_budget -= num_new_tokens
+            plan.enter(request, num_new_tokens, kv.get_block_ids(request.request_id), new=True)
         for request in reversed(skipped):
             waiting.prepend_request(request)
         if admitted:
@@ -401,26 +360,10 @@ class Scheduler:
 
     def _append_and_check_stop(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens one by one until a stop; returns those kept."""
-        sp = request.sampling_params
         for i, token_id in enumerate(token_ids):
             request.append_output_token_ids(token_id)
             self.num_generation_tokens += 1
-            num_output = request.num_output_tokens
-            if (so := request.structured_output_request) is not None:
-                so.accept_token(token_id)  # ValueError (the request fails alone) if the grammar forbids it
-                if so.is_terminated():  # the grammar reached its end (on a stop token)
-                    request.status = RequestStatus.FINISHED_STOPPED
-            if num_output >= sp.min_tokens:
-                if token_id == request.eos_token_id and not sp.ignore_eos:
-                    request.status = RequestStatus.FINISHED_STOPPED
-                elif token_id in request.stop_token_ids:
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    request.stop_reason = token_id
-            if not request.is_finished() and (
-                num_output >= request.max_tokens or request.num_tokens >= self.max_model_len
-            ):
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            if request.is_finished():
+            if check_stop(request, token_id, self.max_model_len):
                 return token_ids[: i + 1]
         return token_ids
 

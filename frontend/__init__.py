@@ -25,14 +25,15 @@ if TYPE_CHECKING:
         resolve_chat_template,
     )
     from tidal.frontend.input_processor import plain_token_ids
-    from tidal.frontend.llm import LLM, LLMEngine
+    from tidal.frontend.llm import LLM
+    from tidal.frontend.llm_engine import LLMEngine
     from tidal.frontend.priority import lower_thread_priority
     from tidal.frontend.prompt_tokens import PromptEncoder, keep_last, truncation_length
     from tidal.frontend.request_ids import RequestIds, random_request_id
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
-    "AsyncLLM": "async_llm", "LLM": "llm", "LLMEngine": "llm",
+    "AsyncLLM": "async_llm", "LLM": "llm", "LLMEngine": "llm_engine",
     # chat messages and their rendering, as LLM.chat does it
     "content_text": "chat_utils", "normalize_messages": "chat_utils", "render_chat": "chat_utils",
     "resolve_chat_template": "chat_utils", "check_chat_options": "chat_utils",

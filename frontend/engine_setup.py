@@ -1,5 +1,6 @@
-"""What `LLM` and `AsyncLLM` share: setting up a front-end (its tokenizer, the core's limits,
-the input/output processors built on them, the core client) and shutting it down."""
+"""What `LLMEngine` (which `LLM` is built on) and `AsyncLLM` share: setting up a front-end (its
+tokenizer, the core's limits, the input/output processors built on them, the core client) and
+shutting it down."""
 from __future__ import annotations
 
 import logging

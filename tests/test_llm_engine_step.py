@@ -17,7 +17,7 @@ from tidal.engine.llm_engine import LLMEngine as ShimLLMEngine
 def engine() -> LLMEngine:
     eng = LLMEngine.from_engine_args(EngineArgs(model=model_path("tiny"), max_num_seqs=4, seed=0))
     yield eng
-    eng._llm.shutdown()
+    eng.shutdown()
 
 
 def test_vllm_example_loop_gives_transformers_greedy_tokens(engine: LLMEngine) -> None:
@@ -78,19 +78,20 @@ def test_abort_and_refusals(engine: LLMEngine) -> None:
     assert "a" not in ids and "b#1" in ids
 
 
-def test_generate_beside_step_requests_loses_nothing(engine: LLMEngine) -> None:
-    llm: LLM = engine._llm
-    assert llm.llm_engine._llm is llm
-    engine.add_request("s", {"prompt_token_ids": [9, 8, 7]},
-                       SamplingParams(max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
-    outs = llm.generate(["a b", "c"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
-    got = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            assert o.request_id == "s"
-            got += len(o.outputs[0].token_ids)
-    assert got == 40  # the deltas that came during generate() were kept for step()
+def test_generate_beside_step_requests_loses_nothing() -> None:
+    with LLM(model_path("tiny"), max_num_seqs=4, seed=0) as llm:
+        engine = llm.llm_engine
+        assert isinstance(engine, LLMEngine) and llm.llm_engine is engine
+        engine.add_request("s", {"prompt_token_ids": [9, 8, 7]},
+                           SamplingParams(max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+        outs = llm.generate(["a b", "c"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+        got = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                assert o.request_id == "s"
+                got += len(o.outputs[0].token_ids)
+        assert got == 40  # the deltas that came during generate() were kept for step()
 
 
 def test_a_failed_request_is_raised_by_step_and_the_others_go_on(engine: LLMEngine) -> None:

@@ -122,7 +122,7 @@ def test_chat_rendering_is_one_in_llm_chat_and_the_server(ctx: ServingContext, t
     (content parts joined, or kept as parts with the "openai" format); a failing template is a
     ChatTemplateError (a ValueError, as vLLM) to LLM.chat and the same words in a 400 from the server."""
     sent: list[Any] = []
-    fake = SimpleNamespace(_tokenizer_or_raise=lambda: tokenizer,
+    fake = SimpleNamespace(get_tokenizer=lambda: tokenizer,
                            generate=lambda prompts, *a, **k: sent.extend(prompts) or [])
     LLM.chat(fake, MESSAGES, chat_template=TEMPLATE)  # type: ignore[arg-type]
     ctx.chat_template = TEMPLATE  # --chat-template

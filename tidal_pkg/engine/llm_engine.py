@@ -1,4 +1,4 @@
 """vLLM's `vllm.engine.llm_engine` names."""
-from tidal.frontend.llm import LLMEngine
+from tidal.frontend.llm_engine import LLMEngine
 
 __all__ = ["LLMEngine"]
