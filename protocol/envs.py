@@ -72,6 +72,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_ATTENTION_BACKEND": lambda: os.environ.get("TIDAL_ATTENTION_BACKEND", "auto"),
     # The key `tidal serve` requires as `Authorization: Bearer KEY` (--api-key wins; vLLM's VLLM_API_KEY).
     "TIDAL_API_KEY": lambda: os.environ.get("TIDAL_API_KEY") or None,
+    # vLLM's name for the same key: a deployment keyed the vLLM way is keyed here too (it wins).
+    "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
     # How much nicer than its engine `tidal serve`'s event loop runs when it started that engine
     # and it computes on this host's CPUs (frontend/priority.py); 0: the same priority.
     "TIDAL_SERVER_NICE": _int_in("TIDAL_SERVER_NICE", 15, 0, 19),

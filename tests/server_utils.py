@@ -37,7 +37,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", model, "--port", str(self.port),
                "--disable-uvicorn-access-log", *args]
-        full_env = {k: v for k, v in os.environ.items() if k != "TIDAL_API_KEY"}
+        full_env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_API_KEY", "VLLM_API_KEY")}
         full_env.update(TIDAL_CACHE_DIR=cache_dir, **(env or {}))
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:

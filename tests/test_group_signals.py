@@ -51,7 +51,7 @@ class GroupProcess:
     terminal), its combined output in a file (never a pipe that could fill up and block it)."""
 
     def __init__(self, cmd: list[str], log_path: str, cache_dir: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "TIDAL_API_KEY"}
+        env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_API_KEY", "VLLM_API_KEY")}
         # TIDAL_SERVER_NICE=0: a server loop 15 nicer than the core can be starved for seconds on a
         # busy box while the core finishes the whole stream; the signal would then find nothing
         # in flight, and the drain would go untested.

@@ -126,7 +126,7 @@ class Readme:
         self.ports = {port: free_port() for port in README_PORTS}
         self.services: dict[int, tuple[subprocess.Popen[bytes], Path, str]] = {}
         bindir = os.path.dirname(sys.executable)  # this environment's `tidal` and `python` first
-        self.env = {k: v for k, v in os.environ.items() if k != "TIDAL_API_KEY"}
+        self.env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_API_KEY", "VLLM_API_KEY")}
         self.env.update(TIDAL_CACHE_DIR=cache_dir, PATH=bindir + os.pathsep + self.env.get("PATH", ""),
                         HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.num_logs = 0

@@ -3,6 +3,7 @@ chat template), 401 (API key), 404 (model, route), 413 (body limit), 503 (dead e
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 
 import openai
@@ -53,6 +54,28 @@ def test_api_key_required_and_checked(server: Server) -> None:
     assert http_get(server.url + "/metrics")[0] == 200
     ok = server.client(api_key=KEY).completions.create(model="m", prompt="hi", max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_vllms_api_key_variable_is_honoured_first(tiny_model_dir: str, tidal_cache_dir: str) -> None:
+    """A deployment keyed the vLLM way (VLLM_API_KEY) is keyed: that key is required, before
+    tidal's own variable, and the log says which is in force (never the key)."""
+    vllm_key = "sk-vllm-key"
+    srv = Server(tiny_model_dir, [*FLAGS, "--served-model-name", "m"], tidal_cache_dir,
+                 env={"VLLM_API_KEY": vllm_key, "TIDAL_API_KEY": KEY})
+    try:
+        status, body = post_json(srv.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert_openai_error(status, body, 401)
+        status, body = post_json(srv.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2}, AUTH)
+        assert_openai_error(status, body, 401)  # tidal's variable is the fallback, not a second key
+        ok = srv.client(api_key=vllm_key).completions.create(model="m", prompt="hi", max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(60)
+        log = srv.output()
+    finally:
+        srv.stop()
+    assert "API key required: from $VLLM_API_KEY ($TIDAL_API_KEY ignored)" in log
+    assert vllm_key not in log and KEY not in log
 
 
 @pytest.mark.parametrize("body, param", [

@@ -234,3 +234,22 @@ def test_unix_domain_socket(tiny_model_dir: str, tidal_cache_dir: str, tmp_path:
     finally:
         srv.stop()
     assert srv.proc.returncode == 0 and not os.path.exists(path)  # the socket file goes with the server
+
+
+def test_root_path_serves_the_prefixed_and_the_plain_paths(tiny_model_dir: str, tidal_cache_dir: str) -> None:
+    """--root-path behind either kind of proxy (vLLM's behaviour): one that forwards the prefix
+    and one that strips it; the key check and the open paths hold under both."""
+    srv = Server(tiny_model_dir, [*ENGINE_FLAGS, "--model-runner", "null", "--root-path", "/llm", "--api-key", KEY,
+                                  "--served-model-name", "m"], tidal_cache_dir)
+    try:
+        for prefix in ("/llm", ""):
+            client = openai.OpenAI(base_url=f"{srv.url}{prefix}/v1", api_key=KEY, max_retries=0, timeout=60)
+            out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2)
+            assert out.usage.completion_tokens == 2, prefix
+            assert [m.id for m in client.models.list()] == ["m"], prefix
+            assert _raw(srv, "GET", f"{prefix}/v1/models", {}).status_code == 401, prefix
+            assert _raw(srv, "GET", f"{prefix}/health", {}).status_code == 200, prefix
+        assert _raw(srv, "GET", "/other/v1/models", AUTH).status_code == 404
+    finally:
+        srv.stop()

@@ -36,7 +36,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from tidal import __version__
 from tidal.frontend import AsyncEngineArgs, AsyncLLM
-from tidal.frontend.entrypoints.openai.cli_args import load_chat_template
+from tidal.frontend.entrypoints.openai.cli_args import api_keys, load_chat_template
 from tidal.frontend.entrypoints.openai.disconnect import ClientGone
 from tidal.frontend.entrypoints.openai.errors import APIError, from_exception
 from tidal.frontend.entrypoints.openai.graceful_server import ABORT_GRACE_S, GracefulServer
@@ -53,6 +53,7 @@ from tidal.frontend.entrypoints.openai.protocol import (
     VersionResponse,
 )
 from tidal.frontend.entrypoints.openai.server_flags import (
+    RootPathOnce,
     add_app_middleware,
     apply_log_config,
     check_server_flags,
@@ -336,8 +337,10 @@ async def run_server(args: Any) -> None:
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
             args.enable_force_include_usage, args.return_tokens_as_token_ids, args.trust_request_chat_template),
             limits)
-        keys = args.api_key or ([envs.TIDAL_API_KEY] if envs.TIDAL_API_KEY else None)
+        keys = api_keys(args.api_key)
         app = build_app(ctx, api_key=keys, max_body_bytes=args.max_request_body_bytes, flags=args)
+        if args.root_path:
+            app = RootPathOnce(app, args.root_path)
         config = uvicorn.Config(app, http="httptools", lifespan="on", log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,

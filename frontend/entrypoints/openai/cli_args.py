@@ -3,13 +3,33 @@ engine flags come from AsyncEngineArgs."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from tidal.frontend import AsyncEngineArgs
 from tidal.frontend.entrypoints.openai.server_flags import add_server_flags
+from tidal.protocol import envs
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
-API_KEY_ENV = "TIDAL_API_KEY"
+API_KEY_ENVS = ("VLLM_API_KEY", "TIDAL_API_KEY")  # read in this order when --api-key is not given
+
+
+def api_keys(flag_keys: list[str] | None) -> list[str] | None:
+    """The keys `tidal serve` requires: --api-key's, else $VLLM_API_KEY (vLLM's name, so a
+    deployment keyed the vLLM way is keyed here too), else $TIDAL_API_KEY; None: no key. Logs
+    which one is in force (never the key)."""
+    if flag_keys:
+        logger.info("API key required: from --api-key (%d key(s))", len(flag_keys))
+        return flag_keys
+    for name in API_KEY_ENVS:
+        key = getattr(envs, name)
+        if key:
+            others = [n for n in API_KEY_ENVS if n != name and getattr(envs, n)]
+            logger.info("API key required: from $%s%s", name, f" (${others[0]} ignored)" if others else "")
+            return [key]
+    return None
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -21,7 +41,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="address to bind (default loopback; 0.0.0.0 serves every interface)")
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", nargs="+", default=None,
-                       help=f"require 'Authorization: Bearer KEY', KEY any of these (also ${API_KEY_ENV}); "
+                       help="require 'Authorization: Bearer KEY', KEY any of these (else $VLLM_API_KEY, else "
+                            "$TIDAL_API_KEY); "
                             "/health, /ping and /metrics stay open")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file (or the template itself) overriding the tokenizer's")

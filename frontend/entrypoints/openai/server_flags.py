@@ -214,6 +214,28 @@ def add_app_middleware(app: Starlette, args: argparse.Namespace) -> None:
                            allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
 
 
+class RootPathOnce:
+    """--root-path for both kinds of proxy (as vLLM serves): uvicorn puts the root path in
+    front of every request path, which suits a proxy that strips the prefix (`/v1/...` arrives,
+    `/llm/v1/...` is routed), but one that forwards it (or a client calling the prefixed URL
+    directly) then got `/llm/llm/v1/...`, a 404. The doubled prefix is cut to one, so
+    `/llm/v1/...` and `/v1/...` are both served."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app, self.root = app, root_path.rstrip("/")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        doubled = self.root + self.root
+        if self.root and scope["type"] in ("http", "websocket"):
+            path = scope["path"]
+            if path == doubled or path.startswith(doubled + "/"):
+                scope = dict(scope, path=path[len(self.root):])
+                raw = scope.get("raw_path")
+                if isinstance(raw, bytes) and raw.startswith(doubled.encode()):
+                    scope["raw_path"] = raw[len(self.root):]
+        await self.app(scope, receive, send)
+
+
 class _SkipPaths(logging.Filter):
     """Drops uvicorn access-log records of the given paths. Their args are (client, method,
     path with query, HTTP version, status), the path including any --root-path prefix."""
