@@ -263,6 +263,21 @@ def run_to_completion(
     return RunResult(results, steps, core.scheduler.make_stats(), errors)
 
 
+def run_with_culprits(core: EngineCore, good: list[EngineCoreRequest], bad: list[EngineCoreRequest],
+                      *messages: str) -> RunResult:
+    """Run `good` with the (one or two) `bad` requests among them in one batch (not first, not
+    last), asserting that each bad one failed alone with an error holding every `messages`."""
+    requests = list(good)
+    requests[1:1] = bad[:1]
+    requests[4:4] = bad[1:]
+    run = run_to_completion(core, requests)
+    for r in bad:
+        got = run[r.request_id]
+        assert got.finish_reason == FinishReason.ERROR and got.tokens == [], got
+        assert all(m in (got.error or "") for m in messages), got.error
+    return run
+
+
 def assert_all_blocks_free(core: EngineCore) -> None:
     stats = core.scheduler.make_stats()
     assert stats.num_free_blocks == stats.num_total_blocks, stats

@@ -38,6 +38,7 @@ from engine_utils import (
     req,
     robust_prompt,
     run_to_completion,
+    run_with_culprits,
 )
 from fault_injection import use_prompt_logprobs_fault
 from tidal.core.engine_core import EngineCore
@@ -247,15 +248,8 @@ def test_a_prompt_logprobs_failure_fails_that_request_alone(
         monkeypatch: pytest.MonkeyPatch, core: EngineCore, prompt_logprobs_reference: RunResult,
         num_culprits: int) -> None:
     use_prompt_logprobs_fault(monkeypatch, CULPRIT)
-    bad = _prompt_logprob_culprits(num_culprits)
-    requests = _prompt_logprob_requests("good")
-    requests[1:1] = bad[:1]
-    requests[4:4] = bad[1:]
-    run = run_to_completion(core, requests)
-    for r in bad:
-        got = run[r.request_id]
-        assert got.finish_reason == FinishReason.ERROR and got.tokens == [], got
-        assert "prompt logprobs failed" in (got.error or "") and "injected prompt logprobs failure" in (got.error or "")
+    run = run_with_culprits(core, _prompt_logprob_requests("good"), _prompt_logprob_culprits(num_culprits),
+                            "prompt logprobs failed", "injected prompt logprobs failure")
     _assert_same(run, prompt_logprobs_reference)
     assert_all_blocks_free(core)
 

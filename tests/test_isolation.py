@@ -22,6 +22,7 @@ from engine_utils import (
     random_prompt,
     req,
     run_to_completion,
+    run_with_culprits,
 )
 from fault_injection import core_command, use_sampling_fault, use_update_fault
 from tidal.frontend import AsyncLLM
@@ -88,16 +89,8 @@ def test_sampling_failure_fails_the_culprit_alone(monkeypatch: pytest.MonkeyPatc
                                                   num_culprits: int) -> None:
     use_sampling_fault(monkeypatch, CULPRIT)
     core = make_core(M)
-    bad = culprits(num_culprits)
-    # The culprits sit among the good rows of one batch (not first, not last).
-    requests = good_requests()
-    requests[1:1] = bad[:1]
-    requests[4:4] = bad[1:]
-    run = run_to_completion(core, requests)
-    for r in bad:
-        got = run[r.request_id]
-        assert got.finish_reason == FinishReason.ERROR and got.tokens == [], got
-        assert "sampling failed" in (got.error or "") and "injected sampling failure" in (got.error or "")
+    run = run_with_culprits(core, good_requests(), culprits(num_culprits), "sampling failed",
+                            "injected sampling failure")
     _assert_good_undisturbed(run, reference)
     assert_all_blocks_free(core)
     # The engine keeps serving: the same requests again, undisturbed.

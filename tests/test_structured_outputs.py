@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from tests.engine_utils import EOS, make_core, req, run_to_completion
-from tests.test_structured_whitespace import whitespace_runs
+from tests.test_structured_whitespace import FORM_PROPERTIES, whitespace_runs
 from tidal.frontend import LLM
 from tidal.protocol import EngineGenerateError, SamplingParams, StructuredOutputsParams
 from tidal.protocol.messages import FinishReason
@@ -25,10 +25,7 @@ from tidal.protocol.messages import FinishReason
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 3},
+        **FORM_PROPERTIES,
         "address": {
             "type": "object",
             "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{0,6}$"},

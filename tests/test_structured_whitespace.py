@@ -28,15 +28,16 @@ from tidal.protocol.config import EngineConfig
 # literal here so that the behavioural tests run, and fail, on code without the option.
 DEFAULT_BOUND = 20
 
+# A form's fields (tests/test_structured_outputs.py builds its schema on them too).
+FORM_PROPERTIES: dict[str, Any] = {
+    "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 3},
+}
 SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 3},
-        "active": {"type": "boolean"},
-    },
+    "properties": {**FORM_PROPERTIES, "active": {"type": "boolean"}},
     "required": ["name", "age", "role"],
 }
 MAX_TOKENS = 300
