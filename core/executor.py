@@ -86,16 +86,27 @@ class NullExecutor(Executor):
         computed.update((c.req_id, c.num_computed_tokens) for c in so.scheduled_cached_reqs)
         req_ids = list(so.num_scheduled_tokens)
         grammar_rows = {rid: i for i, rid in enumerate(so.structured_output_request_ids)}
+        spec = so.scheduled_spec_decode_tokens
         sampled: list[list[int]] = []
         for rid in req_ids:
-            end = computed[rid] + so.num_scheduled_tokens[rid]
+            drafts = spec.get(rid, ()) if spec else ()
+            end = computed[rid] + so.num_scheduled_tokens[rid] - len(drafts)
             # Tokens 3.. of the vocabulary; deterministic in the position so a preempted and
             # recomputed request continues exactly.
-            token = 3 + (end * 7919 + len(rid)) % (self.vocab_size - 3)
+            token = self._token(rid, end)
             if rid in grammar_rows and so.grammar_bitmask is not None:  # structured outputs
                 token = _allowed_from(so.grammar_bitmask[grammar_rows[rid]], token, self.vocab_size)
-            sampled.append([token] if end >= lens[rid] else [])
+            out = [token] if end >= lens[rid] else []
+            # Proposals: accepted while each equals the token of its position (exact match).
+            for j, draft in enumerate(drafts if out else ()):
+                if draft != out[-1]:
+                    break
+                out.append(self._token(rid, end + j + 1))
+            sampled.append(out)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _token(self, rid: str, end: int) -> int:
+        return 3 + (end * 7919 + len(rid)) % (self.vocab_size - 3)
 
 
 def _allowed_from(words: np.ndarray, token: int, vocab_size: int) -> int:

@@ -194,6 +194,20 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
+    def drop_tail(self, request: Request, num_tokens: int) -> int:
+        """Free the request's blocks past those that positions [0, num_tokens) need (after a
+        speculative step, the blocks that held only rejected rows: never cached, since only
+        computed positions are). Returns how many were dropped (the runner must be told)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        assert self.num_cached_block.get(request.request_id, 0) <= keep
+        self.block_pool.free_blocks(reversed(dropped))
+        return len(dropped)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its head
         (a later request sharing the prefix hits the head)."""

@@ -111,6 +111,9 @@ class Request:
         # How many of `all_token_ids` the model runner holds (0: it holds no state for us).
         # The scheduler sends `all_token_ids[num_synced_tokens:]` as the next delta.
         self.num_synced_tokens: int = 0
+        # Blocks dropped from the tail of its table (they held only rejected speculative rows)
+        # since the runner last saw it; sent with the next CachedRequestData, then 0.
+        self.num_dropped_blocks: int = 0
         # Prompt-logprob rows already sent: a request preempted mid-prefill recomputes its
         # prompt, and those rows must not reach the user twice.
         self.num_prompt_logprobs_sent: int = 0

@@ -19,6 +19,12 @@ Invariants:
   back out of the step (its tokens return to the budget). As in vLLM V1, a waiting request
   never preempts a running one: a high-priority arrival is admitted when blocks allow, and from
   then on the lower-priority running requests are the ones preempted as blocks run out.
+- Speculative decoding (speculative_config, core/spec_decode.py): a decoding request may carry
+  proposals, scheduled as extra query rows after its last token. After the step its
+  num_computed_tokens counts only the rows whose inputs were right (its last token and the
+  accepted proposals), the blocks holding only rejected rows go back to the pool, and the
+  emitted tokens pass the stop checks one by one. When blocks run out, a request's proposals
+  are dropped before anyone is preempted.
 - A quarantined request (suspected of a crash) runs only in a step of its own until its first
   token; while any is queued, `Quarantine` (core/quarantine.py) plans the steps, by choosing
   which requests to pass `plan_step` (the scheduler keeps its own lists up to date).
@@ -32,6 +38,7 @@ from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.quarantine import Quarantine
 from tidal.core.request import ClientIndex, Request, RequestStatus
 from tidal.core.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from tidal.core.spec_decode import SpecDecoder
 from tidal.core.step_plan import StepPlan
 from tidal.core.stop_check import check_stop
 from tidal.core.structured_output import GrammarConflictError
@@ -48,6 +55,7 @@ from tidal.protocol.messages import (
 )
 from tidal.protocol.sizing import max_step_tokens
 from tidal.protocol.sliding_window import model_kv_sliding_window
+from tidal.protocol.speculative import SpeculativeConfig
 from tidal.utils.logging_utils import summarize_exception
 
 logger = logging.getLogger(__name__)
@@ -67,6 +75,7 @@ class Scheduler:
         log_stats: bool = False,
         policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
         sliding_window: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -103,6 +112,9 @@ class Scheduler:
         self.num_generation_tokens: int = 0
         self.num_batched_tokens: int = 0  # last step
         self.num_scheduled_seqs: int = 0  # last step
+        # Speculative decoding's proposer and counters; None: off.
+        self.spec: SpecDecoder | None = (None if speculative_config is None
+                                         else SpecDecoder(speculative_config, max_model_len))
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, num_kv_blocks: int, max_model_len: int) -> "Scheduler":
@@ -120,6 +132,7 @@ class Scheduler:
             # Blocks behind the window are freed only when every layer slides (a full-attention
             # layer, e.g. Qwen2's below max_window_layers, needs every position).
             sliding_window=None if cfg.disable_sliding_window else model_kv_sliding_window(cfg.model),
+            speculative_config=cfg.speculative_config,
         )
 
     # ------------------------------------------------------------------ requests in / out
@@ -204,6 +217,7 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished_req_ids,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
 
     def plan_step(self, plan: StepPlan, running: list[Request], waiting: RequestQueue) -> None:
@@ -219,6 +233,7 @@ class Scheduler:
         """`running` requests, in admission order; preempt (see the invariants) when blocks run out."""
         kv = self.kv_cache_manager
         subset = running is not self.running
+        spec = self.spec if self.spec is not None and self.spec.step_enabled(len(self.running)) else None
         req_index = 0
         while req_index < len(running) and plan.token_budget > 0:
             request = running[req_index]
@@ -226,7 +241,15 @@ class Scheduler:
             if num_new_tokens <= 0:  # nothing to compute (runner owes a token): skip it
                 req_index += 1
                 continue
+            proposals: list[int] = []
+            if spec is not None and request.num_tokens - request.num_computed_tokens == 1:
+                proposals = spec.propose(request, plan.token_budget - 1)
+                num_new_tokens += len(proposals)
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+                if proposals:  # fewer rows before anyone is preempted
+                    num_new_tokens -= len(proposals)
+                    proposals = []
+                    continue
                 victim_index = self._victim_index(running)
                 victim = running.pop(victim_index)
                 if subset:
@@ -243,7 +266,7 @@ class Scheduler:
                 # those after it outrank it and still get their turn (vLLM stops here instead,
                 # leaving them, and maybe the whole step, idle).
                 continue
-            plan.enter(request, num_new_tokens, new_block_ids, new=False)
+            plan.enter(request, num_new_tokens, new_block_ids, new=False, spec_tokens=proposals)
             req_index += 1
 
     def _victim_index(self, running: list[Request]) -> int:
@@ -296,6 +319,7 @@ class Scheduler:
         """Apply a step's results; returns the outputs of the requests that advanced, grouped
         by the front-end each goes to (`Request.client_index`)."""
         sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         outputs: dict[ClientIndex, list[EngineCoreOutput]] = {}
         any_finished = False
 
@@ -305,7 +329,7 @@ class Scheduler:
                 continue  # ended (e.g. aborted) after it was scheduled
             try:
                 output = self._update_request(request, num_tokens, sampled_by_id.get(request_id) or [],
-                                              runner_output)
+                                              runner_output, spec_tokens)
             except Exception as e:  # this request's state broke: it fails alone, the step goes on
                 output = self._fail_in_update(request, e)
             if output is None:
@@ -317,29 +341,50 @@ class Scheduler:
         return outputs
 
     def _update_request(self, request: Request, num_tokens: int, new_token_ids: list[int],
-                        runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+                        runner_output: ModelRunnerOutput,
+                        spec_tokens: dict[str, list[int]] | None = None) -> EngineCoreOutput | None:
         """Apply one request's share of a step; its output, or None when it has nothing new."""
         request_id = request.request_id
         start = request.num_computed_tokens
-        request.num_computed_tokens = start + num_tokens
+        proposals = spec_tokens.get(request_id) if spec_tokens else None
+        num_rejected = 0
+        if proposals:
+            # Rows past the last accepted proposal had wrong inputs: their KV is rolled back.
+            # (No token at all: the request failed and ends.)
+            new_token_ids = new_token_ids[: len(proposals) + 1]
+            num_accepted = min(max(len(new_token_ids) - 1, 0), len(proposals))
+            num_rejected = len(proposals) - num_accepted
+            if new_token_ids and self.spec is not None:
+                self.spec.record(len(proposals), num_accepted)
+        request.num_computed_tokens = start + num_tokens - num_rejected
         if start < request.num_prompt_tokens:
             self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - start
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
 
+        new_logprobs = runner_output.logprobs.get(request_id) if new_token_ids else None
         if new_token_ids:
+            num_sampled = len(new_token_ids)
             new_token_ids = self._append_and_check_stop(request, new_token_ids)
+            if new_logprobs is not None and len(new_token_ids) < num_sampled:  # a stop inside the run
+                n = len(new_token_ids)
+                new_logprobs = LogprobsArrays(new_logprobs.token_ids[:n], new_logprobs.logprobs[:n],
+                                              new_logprobs.ranks[:n])
+        # After the new tokens are in (the blocks they complete are known): positions below
+        # min(num_computed_tokens, num_tokens) hold the KV of the request's own tokens.
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
         if new_prompt_logprobs is not None:
             new_prompt_logprobs = _unsent_prompt_logprobs(request, start, new_prompt_logprobs)
-        if not new_token_ids and new_prompt_logprobs is None:
-            return None
         finish_reason = request.get_finished_reason()
         if finish_reason is not None:
             self._free_request(request)
+        elif num_rejected:
+            request.num_dropped_blocks += self.kv_cache_manager.drop_tail(request, request.num_tokens)
+        if not new_token_ids and new_prompt_logprobs is None:
+            return None
         return EngineCoreOutput(
             request_id=request_id,
             new_token_ids=new_token_ids,
-            new_logprobs=runner_output.logprobs.get(request_id) if new_token_ids else None,
+            new_logprobs=new_logprobs,
             new_prompt_logprobs=new_prompt_logprobs,
             finish_reason=finish_reason,
             stop_reason=request.stop_reason,
@@ -390,6 +435,11 @@ class Scheduler:
             num_total_blocks=kv.num_blocks,
             num_batched_tokens=self.num_batched_tokens,
             num_scheduled_seqs=self.num_scheduled_seqs,
+            **({} if self.spec is None else dict(
+                spec_decode_num_drafts=self.spec.num_drafts,
+                spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+                spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=list(self.spec.num_accepted_tokens_per_pos))),
         )
 
 

@@ -14,6 +14,7 @@ from dataclasses import MISSING, Field, fields
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from tidal.protocol.config import StructuredOutputsConfig
+from tidal.protocol.speculative import SpeculativeConfig
 from tidal.protocol.sizing import cuda_graph_capture_sizes
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ RULES: dict[str, Rule] = {
     "reasoning_parser": Refused("reasoning parsers"),
     "reasoning_parser_plugin": Refused("reasoning parsers"),
     "logits_processor_pattern": NoOp("tidal takes no custom logits processors by name"),
-    "speculative_config": Refused("speculative decoding"),
+    "speculative_config": Implemented(None),  # config_kwargs: a SpeculativeConfig (method "ngram")
     "show_hidden_metrics_for_version": NoOp("tidal has no hidden (deprecated) metrics"),
     "otlp_traces_endpoint": Refused("OpenTelemetry tracing"),
     "collect_detailed_traces": Refused("OpenTelemetry tracing"),
@@ -313,6 +314,11 @@ def config_kwargs(args: "EngineArgs") -> dict[str, Any]:
     # A dict (vLLM's, the CLI's JSON) or a StructuredOutputsConfig; ValueError for unknown keys,
     # a backend other than xgrammar, reasoning parsers.
     out["structured_outputs_config"] = StructuredOutputsConfig.from_value(args.structured_outputs_config)
+    # vLLM's dict (the CLI's JSON) or a SpeculativeConfig; ValueError naming a method tidal does
+    # not implement (only "ngram" is), unknown keys, bad values. {} and None: off.
+    spec = SpeculativeConfig.from_value(args.speculative_config)
+    if spec is not None:
+        out["speculative_config"] = spec
     if args.num_kv_blocks is not None:
         if args.num_gpu_blocks_override not in (None, args.num_kv_blocks):
             raise ValueError(f"num_kv_blocks={args.num_kv_blocks} and num_gpu_blocks_override="

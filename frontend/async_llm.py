@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, AsyncGenerator, Callable, Iterable, TypeVar
+import warnings
+from typing import Any, AsyncGenerator, Callable, Iterable, Literal, TypeVar
 
 from tidal.frontend.core_client import AsyncMPClient
 from tidal.frontend.engine_args import AsyncEngineArgs
@@ -26,7 +27,7 @@ from tidal.frontend.request_ids import RequestIds, check_request_id
 from tidal.frontend.supervisor import CoreState
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.config_views import ModelConfig
-from tidal.protocol.errors import EngineDeadError, EngineGenerateError
+from tidal.protocol.errors import EngineDeadError, EngineGenerateError, EngineRestartingError
 from tidal.protocol.messages import EngineCoreRequest, SchedulerStats
 from tidal.protocol.outputs import CompletionOutput, RequestOutput
 from tidal.protocol.sampling_params import SamplingParams
@@ -40,8 +41,10 @@ logger = logging.getLogger(__name__)
 # stopped bunching its messages.
 _OUTPUT_SLICE = 128
 _YIELD_EVERY = _OUTPUT_SLICE
-_DRAIN_POLL_S = 0.01  # pause_generation(wait_for_inflight_requests=True) checks this often
+_DRAIN_POLL_S = 0.01  # pause_generation's waits ("wait", "keep") check this often
 _T = TypeVar("_T")
+PauseMode = Literal["abort", "wait", "keep"]  # vLLM's (vllm.v1.engine.PauseMode)
+_PAUSE_MODES = ("abort", "wait", "keep")
 
 class AsyncLLM(FrontEnd[AsyncMPClient]):
     def __init__(self, model: str, *, stat_loggers: list[StatLoggerFactory] | None = None,
@@ -136,8 +139,18 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         return self.vllm_config
 
     async def check_health(self) -> None:
-        """EngineDeadError once the engine is dead (or shut down)."""
+        """vLLM's health check: EngineDeadError once the engine is dead (shut down, or its core
+        lost with no restart left or restarts off: max_core_restarts=0). While a lost core is
+        being replaced, EngineRestartingError (an EngineDeadError: a health endpoint answers
+        503 meanwhile) -- and the restart is set going if nothing else had (a core lost while
+        no stream was open). Passes again once the new core answered."""
         self._check_alive()
+        supervisor = self.engine_core.supervisor
+        if supervisor.restarting:
+            if supervisor.state is CoreState.LOST:
+                self._ensure_handler()  # starts the restart (nothing if one is under way)
+            raise EngineRestartingError(f"the engine core is being restarted after it was lost "
+                                        f"({supervisor.reason}); its requests resume once it is back")
 
     # ---------------------------------------------------------------- generate
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams | None,
@@ -226,30 +239,72 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
             self.engine_core.abort_requests(result.reqs_to_abort)
 
     # ------------------------------------------------------------ pause/resume
-    async def pause_generation(self, *, wait_for_inflight_requests: bool = False,
+    async def pause_generation(self, *, mode: PauseMode = "abort", wait_for_inflight_requests: bool | None = None,
                                clear_cache: bool = True) -> None:
-        """vLLM's pause: new generate() calls wait until resume_generation(). In-flight requests
-        are aborted (their streams end with finish_reason "abort"), or with
-        `wait_for_inflight_requests` run to their end before this returns. `clear_cache`:
-        then the prefix cache is reset."""
+        """vLLM's pause (for weight updates): until resume_generation(), new generate() calls
+        wait (nothing of them reaches the core). `mode`, for the requests in flight:
+
+        - "abort" (the default): aborted; their streams end with finish_reason "abort" and
+          their partial output before this returns.
+        - "wait": run to their end before this returns (no timeout: as long as they take).
+        - "keep": frozen; their streams stay open and go on after resume_generation(), with
+          the same tokens as without the pause (they leave the core, which then holds no
+          request and computes nothing, and are sent back to resume where they were, as after
+          a core restart). Returns once the core let go of each of them.
+
+        `wait_for_inflight_requests` (deprecated, as in vLLM): True means mode="wait".
+        `clear_cache`: then the prefix cache is reset (with "keep", the frozen requests
+        recompute their prompt and tokens so far on resume). Pausing while paused applies the
+        new mode to what is in flight. EngineDeadError if the engine dies meanwhile."""
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode!r} (expected one of {', '.join(_PAUSE_MODES)})")
+        if wait_for_inflight_requests:
+            warnings.warn("The `wait_for_inflight_requests` parameter in `AsyncLLM.pause_generation()` is "
+                          "deprecated. Please use `mode` argument instead.", DeprecationWarning, stacklevel=2)
+            mode = "wait"
+        self._check_alive()
         if self._resumed is None:
             self._resumed = asyncio.Event()
-        if not wait_for_inflight_requests:
-            await self.abort(list(self._running))
-        while self.output_processor.has_unfinished_requests():
-            # Polled: the output handler, not a waiter, learns when a request ends, and a
-            # short poll costs nothing next to the requests it waits for.
-            self._check_alive()
-            await asyncio.sleep(_DRAIN_POLL_S)
+        processor = self.output_processor
+        if mode == "abort":
+            await self.abort(list(self._running))  # the frozen ones too
+        elif mode == "keep":
+            if ids := processor.park_requests():
+                self.engine_core.abort_requests(ids)  # dropped while the core restarts: see recovery
+        # Polled: the output handler, not a waiter, learns when a request ends, and a short
+        # poll costs nothing next to the requests it waits for.
+        if mode == "wait":
+            await self._poll_until(lambda: not processor.has_unparked_requests())
+        else:
+            await self._poll_until(lambda: not processor.has_parking())
         if clear_cache:
             await self.reset_prefix_cache()
 
+    async def _poll_until(self, done: Callable[[], bool]) -> None:
+        while not done():
+            self._check_alive()
+            await asyncio.sleep(_DRAIN_POLL_S)
+
     async def resume_generation(self) -> None:
+        """Lift the pause: waiting generate() calls go on, and requests frozen by mode="keep"
+        are sent back to the core, each resuming where its stream is. Nothing when not paused."""
+        processor = self.output_processor
+        if processor.num_parked():
+            await self._poll_until(lambda: not processor.has_parking())  # a pause("keep") still settling
+            for request in processor.unpark_requests():
+                try:
+                    self.engine_core.add_request(request)  # while a core restarts: resent with the rest
+                except EngineDeadError:
+                    raise
+                except Exception as e:  # this one cannot go back (say, too big a message): it alone ends
+                    logger.error("request %s could not be resumed after the pause: %s", request.request_id, e)
+                    processor.fail_request(request.request_id, f"resuming the request after the pause failed: {e}")
         resumed, self._resumed = self._resumed, None
         if resumed is not None:
             resumed.set()
 
     async def is_paused(self) -> bool:
+        """Between pause_generation() and resume_generation()."""
         return self._resumed is not None
 
     async def _wait_unpaused(self) -> None:

@@ -35,7 +35,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 # Prompt suffix used as decoding context: the shortest of these lengths that decodes cleanly.
 _PRIME_MIN_TOKENS = 4
 _PRIME_MAX_TOKENS = 24
-_UTF8_CONTEXT = 3  # tokens before a token that can hold the start of the character it ends
+_UTF8_CONTEXT = 4  # context tokens for a split character's text (vLLM's LogprobsProcessor: at most 4)
 
 _STOP = FinishReason.STOP
 _DELTA, _CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE
@@ -252,8 +252,8 @@ class SlowIncrementalDetokenizer(IncrementalDetokenizer):
 class TokenTexts:
     """Text of single tokens for `Logprob.decoded_token` (special tokens shown), cached. A byte-
     level token that only completes a UTF-8 character begun by the tokens before it decodes
-    alone to U+FFFD; `in_context` decodes it with them, as vLLM does, and gives the text it
-    completes ("" for a token that only begins one)."""
+    alone to U+FFFD; `in_context` then gives what vLLM's LogprobsProcessor gives
+    (`correct_decoded_token`)."""
 
     __slots__ = ("_decode", "_cache")
 
@@ -268,21 +268,44 @@ class TokenTexts:
         return text
 
     def in_context(self, token_id: int, before: Sequence[int]) -> str:
-        """The token's text after the tokens `before` it in the sequence (the last few suffice:
-        a UTF-8 character has at most 4 bytes)."""
+        """The token's text after the tokens `before` it in the sequence (the last
+        _UTF8_CONTEXT of them are used: a UTF-8 character has at most 4 bytes)."""
         text = self.get(token_id)
         if not text.endswith(_REPLACEMENT_CHAR):
             return text
-        completed = ""
-        for j in range(1, min(len(before), _UTF8_CONTEXT) + 1):
-            context = list(before[-j:])
-            head = self._decode(context).rstrip(_REPLACEMENT_CHAR)  # what the context completed itself
-            full = self._decode(context + [token_id])
-            if full.startswith(head):
-                completed = full[len(head):]
-                if not completed.endswith(_REPLACEMENT_CHAR):
-                    return completed
-        return completed.rstrip(_REPLACEMENT_CHAR)  # it only begins a character (or ends early)
+        return correct_decoded_token(self._decode, token_id, before, self.get)
+
+
+def correct_decoded_token(decode: DecodeFn, token_id: int, context_token_ids: Sequence[int],
+                          decode_one: Callable[[int], str] | None = None) -> str:
+    """vLLM's fix-up of a token whose text alone ends in U+FFFD (bytes of a character split
+    across tokens), given the tokens before it in the sequence (oldest first; never top-k
+    alternatives of the same position). The shortest context (1..4 tokens) with which the
+    token decodes to complete text settles it: the token's text is that decode less the text of
+    the context's leading tokens that decode cleanly on their own. The trailing context tokens
+    that decode alone to U+FFFD belonged to the same character and showed "" themselves, so
+    their text (a space before the character, say) goes with this token. "" when no context
+    completes it: the token only begins a character, or nothing precedes it."""
+    one = decode_one if decode_one is not None else (lambda t: decode([t]))
+    context_token_ids = list(context_token_ids[-_UTF8_CONTEXT:])
+    for num in range(1, len(context_token_ids) + 1):
+        context = context_token_ids[-num:]
+        full = decode(context + [token_id])
+        if full.endswith(_REPLACEMENT_CHAR):
+            continue  # still incomplete: more context
+        clean = len(context)
+        while clean > 0 and one(context[clean - 1]).endswith(_REPLACEMENT_CHAR):
+            clean -= 1
+        prefix = decode(context[:clean]) if clean else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0  # a normalizing decoder: strip the longest common prefix instead
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
 
 
 def _new_container(flat: bool) -> SampleLogprobs:

@@ -78,7 +78,7 @@ class FrontEnd(Generic[C]):
 
             self.metrics = EngineMetrics(
                 self.model_config.served_model_name or config.model, info.max_model_len,
-                stat_loggers=[make(self.vllm_config, 0) for make in stat_loggers])
+                stat_loggers=[make(self.vllm_config, 0) for make in stat_loggers], vllm_config=self.vllm_config)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -93,9 +93,9 @@ class FrontEnd(Generic[C]):
                                lora_request: Any = None, data_parallel_rank: int | None = None) -> None:
         """vLLM's per-request options: ValueError for what tidal (or the policy) cannot honour."""
         if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported by tidal")
+            raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled! (tidal has no LoRA adapters)")
         if data_parallel_rank not in (None, 0):
-            raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: tidal runs one engine (rank 0)")
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} is out of range [0, 1). (tidal runs one engine here)")
         if (problem := check_priority(priority, self.config.scheduling_policy)) is not None:
             raise ValueError(problem)  # the core's rule and words (request_rules)
         request.priority = priority

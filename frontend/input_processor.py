@@ -18,7 +18,7 @@ from tidal.frontend.prompt_tokens import PromptEncoder, keep_last, off_loop_if_l
 from tidal.frontend.request_ids import check_request_id
 from tidal.frontend.tokenizer import LONG_TEXT_CHARS, rust_encode
 from tidal.protocol.messages import EngineCoreRequest
-from tidal.protocol.request_rules import RequestLimits, check_request
+from tidal.protocol.request_rules import RequestLimits, check_priority, check_request
 from tidal.protocol.sampling_params import SamplingParams
 
 # Drawn seeds stay below 2**63 with room for the n > 1 children's seed + i (and then some).
@@ -104,8 +104,9 @@ class InputProcessor:
     def _tokenize(self, text: str, keep: int | None) -> list[int]:
         """Token ids of a text prompt, the last `keep` if given (PromptEncoder.encode: one that
         cannot fit is refused first, untokenized, unless it is to be truncated)."""
-        if self.encoder is None:
-            raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
+        if self.encoder is None:  # vLLM's words first (its tests match on them)
+            raise ValueError("You cannot pass text prompts when `skip_tokenizer_init=True` "
+                             "(no tokenizer was loaded: pass prompt_token_ids instead)")
         return self.encoder.encode(text, keep=keep)
 
     def _encode_plain(self, text: str) -> list[int]:
@@ -154,7 +155,7 @@ class InputProcessor:
             setattr(params, name, value)
         problem = check_request(ids, params, self.limits, self.eos_token_id, priority)
         if problem is not None:
-            raise ValueError(problem)
+            raise ValueError(_in_vllm_words(ids, self.limits, priority, problem))
         request = EngineCoreRequest(request_id, ids, params, self.eos_token_id,
                                     time.time() if arrival_time is None else _arrival_time(arrival_time), priority,
                                     cache_salt=salt)
@@ -197,6 +198,29 @@ class InputProcessor:
             # Drawn here, in arrival order: in the thread it would be in finishing order.
             params = params.clone(seed=self._draw_seed(params))
         return await off_loop_if_long(chars, self.process, request_id, prompt, params, arrival_time, priority)
+
+
+def _in_vllm_words(ids: list[int], limits: RequestLimits, priority: int, problem: str) -> str:
+    """`check_request`'s `problem` with vLLM's sentence for it first when it is about the prompt
+    (its InputProcessor's, which vLLM's tests and users' code match on), tidal's after it."""
+    if check_priority(priority, limits.scheduling_policy) is not None:
+        return problem  # checked first there; its words are vLLM's already
+    n, most = len(ids), limits.max_model_len
+    if n == 0:
+        words = "The decoder prompt cannot be empty"
+    elif n > most:
+        words = (f"The decoder prompt (length {n}) is longer than the maximum model length of {most}. "
+                 "Make sure that `max_model_len` is no smaller than the number of text tokens.")
+    elif n == most:
+        words = (f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) "
+                 f"is longer than the maximum model length of {most}. Make sure that `max_model_len` is no "
+                 "smaller than the number of text tokens (prompt + requested output tokens).")
+    else:
+        lo, hi = min(ids), max(ids)
+        if 0 <= lo and hi < limits.vocab_size:
+            return problem
+        words = f"Token id {lo if lo < 0 else hi} is out of vocabulary"
+    return f"{words} ({problem})"
 
 
 def _arrival_time(value: object) -> float:

@@ -23,6 +23,7 @@ from tidal.frontend.output_processor import OutputProcessor
 from tidal.protocol.beam_search import BeamSearchOutput, BeamSearchParams
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.config_views import ModelConfig
+from tidal.protocol.errors import VLLMValidationError
 from tidal.protocol.messages import SchedulerStats
 from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
@@ -102,16 +103,20 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: Any = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in input order. Every prompt is validated
-        (ValueError) before any is queued. `priority`: one per prompt (lower runs first), with
-        scheduling_policy="priority"; `lora_request` must be None (tidal has no LoRA)."""
+        (ValueError) before any is queued. `priority`: one for every prompt, or one per prompt
+        (lower runs first), with scheduling_policy="priority"; `lora_request` must be None
+        (tidal has no LoRA)."""
         engine = self.llm_engine
         engine._check_open()
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
+        if isinstance(priority, int):
+            priority = [priority] * len(prompt_list)
         if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; pass one per prompt")
+            raise VLLMValidationError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; "
+                                      "pass one, or one per prompt", parameter="priority")
         final_only = RequestOutputKind.FINAL_ONLY
         requests = [engine._process(str(next(self._ids)), prompt, params.clone(output_kind=final_only),
                                     0 if priority is None else priority[i], lora_request)
@@ -172,8 +177,8 @@ class LLM:
             return [sampling_params] * len(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
-                                 "pass one, or one per prompt")
+                raise VLLMValidationError(f"got {len(sampling_params)} sampling params for {len(prompts)} "
+                                          "prompts; pass one, or one per prompt", parameter="sampling_params")
             for p in sampling_params:
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling_params must hold SamplingParams, got {type(p).__name__}")

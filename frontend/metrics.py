@@ -1,9 +1,10 @@
-"""Engine metrics: vLLM's metric set in a per-engine Prometheus registry, and its stats log line
-(vLLM V1's vllm/v1/metrics/loggers.py).
+"""Engine metrics: vLLM's metric set in a per-engine Prometheus registry, its stats log line,
+and its stat-logger classes (vLLM V1's vllm/v1/metrics/loggers.py; `tidal.v1.metrics.loggers`).
 
 How a front-end uses it (only when stats are on, i.e. `disable_log_stats=False`):
 
-    metrics = EngineMetrics(model_name, max_model_len)          # one per engine
+    metrics = EngineMetrics(model_name, max_model_len, vllm_config=config,   # one per engine
+                            stat_loggers=[make(config, 0) for make in factories])
     # for each EngineCoreOutputs message `msg` from the core:
     it = IterationStats()
     #   for each EngineCoreOutput `out` the output processor accepts, for its (child) request
@@ -15,14 +16,19 @@ How a front-end uses it (only when stats are on, i.e. `disable_log_stats=False`)
     metrics.record(msg.scheduler_stats, it)
     metrics.maybe_log()                     # the one-line summary every `log_interval_s`
     metrics.get_metrics()                   # LLM.get_metrics(): vLLM's records, `vllm:` names
-    generate_latest(metrics.registry)       # the server's /metrics, `tidal:` names
+    generate_latest(metrics.registry)       # the server's /metrics
+
+Names: vLLM's own (`vllm:num_requests_running`, ...), labelled `model_name` and `engine`, so
+dashboards built for vLLM read tidal unchanged; what vLLM has no metric for is tidal's and says
+so (`tidal:num_core_restarts`).
 
 What is counted where: tokens (`prompt_tokens`, `prompt_tokens_cached`, `generation_tokens`),
 request counts and every histogram come from this front-end's own outputs, so they are exact
 for what it served; the gauges (`num_requests_running`, `num_requests_waiting`,
-`kv_cache_usage_perc`) and `prefix_cache_queries`, `prefix_cache_hits`, `num_preemptions` are
-the core's, as `SchedulerStats` reports them (core-wide: a headless core shared by several
-front-ends reports its whole state to each; these counters count from the core's start).
+`kv_cache_usage_perc`) and `prefix_cache_queries`, `prefix_cache_hits`, `num_preemptions` and
+the speculative-decoding counters are the core's, as `SchedulerStats` reports them (core-wide:
+a headless core shared by several front-ends reports its whole state to each; these counters
+count from the core's start).
 """
 from __future__ import annotations
 
@@ -31,22 +37,26 @@ import bisect
 import copy
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import prometheus_client as prom
 
 from tidal.frontend.metrics_reader import (
-    Counter, Gauge, Histogram, Metric, Vector, get_metrics_snapshot)
+    VLLM_PREFIX, Counter, Gauge, Histogram, Metric, Vector, get_metrics_snapshot)
 from tidal.frontend.metrics_stats import (
-    CoreCounterDeltas, FinishedRequestStats, IterationStats, StatLoggerBase)
+    AggregateStatLoggerBase, CoreCounterDeltas, FinishedRequestStats, IterationStats, PromptTokenStats,
+    StatLoggerBase)
 from tidal.protocol.messages import FinishReason, SchedulerStats
 
 # vLLM's public names (the reader's records, the stats, the loggers), all importable from here.
 __all__ = [  # noqa: RUF022 - grouped by kind, not sorted
     "Counter", "Gauge", "Histogram", "Metric", "Vector", "get_metrics_snapshot",
-    "FinishedRequestStats", "IterationStats", "CoreCounterDeltas", "StatLoggerBase",
-    "LoggingStatLogger", "PrometheusStatLogger", "EngineMetrics", "build_buckets", "build_1_2_5_buckets",
+    "FinishedRequestStats", "IterationStats", "PromptTokenStats", "CoreCounterDeltas",
+    "StatLoggerBase", "AggregateStatLoggerBase", "LoggingStatLogger", "AggregatedLoggingStatLogger",
+    "PerEngineStatLoggerAdapter", "PrometheusStatLogger", "StatLoggerManager", "StatLoggerFactory",
+    "PerEngineStatLoggerFactory", "AggregateStatLoggerFactory", "EngineMetrics", "build_buckets",
+    "build_1_2_5_buckets", "VLLM_PREFIX", "TIDAL_PREFIX", "WAITING_REASON_CAPACITY", "WAITING_REASON_DEFERRED",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,9 +69,21 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-FINISH_REASONS = tuple(str(r) for r in FinishReason)  # "stop", "length", "abort", "error"
-TIDAL_PREFIX = "tidal:"
+REQUEST_N_BUCKETS = [1, 2, 5, 10, 20]
+# vLLM's `finished_reason` values, every one exported from the start (tidal never finishes a
+# request for "repetition", vLLM's repetition detection: that series stays 0).
+FINISH_REASONS = tuple(dict.fromkeys([*(str(r) for r in FinishReason), "stop", "length", "abort", "error",
+                                      "repetition"]))
+TIDAL_PREFIX = "tidal:"  # tidal's own metrics, those vLLM has none for
 LABEL_NAMES = ("model_name", "engine")
+# vLLM's `reason` label values of vllm:num_requests_waiting_by_reason.
+WAITING_REASON_CAPACITY = "capacity"  # waiting for room (KV blocks, max_num_seqs, token budget)
+WAITING_REASON_DEFERRED = "deferred"  # held back by something passing (a grammar still compiling)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's `sleep_state` label values
+
+PerEngineStatLoggerFactory: TypeAlias = Callable[[Any, int], StatLoggerBase]
+AggregateStatLoggerFactory: TypeAlias = type[AggregateStatLoggerBase]
+StatLoggerFactory: TypeAlias = AggregateStatLoggerFactory | PerEngineStatLoggerFactory
 
 
 def build_buckets(mantissas: Sequence[int], max_value: int) -> list[int]:
@@ -81,22 +103,34 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
     return build_buckets([1, 2, 5], max_value)
 
 
+def _num_gpu_blocks(vllm_config: Any) -> int | None:
+    cache_config = getattr(vllm_config, "cache_config", None)
+    return getattr(cache_config, "num_gpu_blocks", None)
+
+
 class LoggingStatLogger(StatLoggerBase):
     """vLLM's one-line summary, logged by `log()`: throughput over the interval since the last
     log (prompt tokens the core computed, i.e. not from the prefix cache, and generation
     tokens), the latest running/waiting counts and KV usage, the prefix-cache hit rate over the
     interval (the previous rate when the interval had no lookups). At INFO while busy, DEBUG
-    once idle, so an idle server's log stays quiet."""
+    once idle, so an idle server's log stays quiet. `vllm_config` may be None (tidal's own use)."""
 
-    def __init__(self, engine_index: int = 0, now: float | None = None) -> None:
+    def __init__(self, vllm_config: Any = None, engine_index: int = 0, *, now: float | None = None) -> None:
+        self.vllm_config = vllm_config
         self.engine_index = engine_index
+        self.aggregated = False  # AggregatedLoggingStatLogger: the stats of several engines
         self.last_scheduler_stats = SchedulerStats()
         self.last_prompt_throughput = 0.0
         self.last_generation_throughput = 0.0
         self.prefix_cache_hit_rate = 0.0
+        self.engine_is_idle = True
         self.last_line = ""
-        self._deltas = CoreCounterDeltas()
+        self._deltas: dict[int, CoreCounterDeltas] = {}
         self._reset(time.monotonic() if now is None else now)
+
+    @property
+    def log_prefix(self) -> str:
+        return f"Engine {self.engine_index:03d}: "
 
     def _reset(self, now: float) -> None:
         self.last_log_time = now
@@ -112,11 +146,15 @@ class LoggingStatLogger(StatLoggerBase):
             self.num_prompt_tokens += iteration_stats.num_computed_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
-            deltas = self._deltas.update(scheduler_stats)
+            deltas = self._deltas.setdefault(engine_idx, CoreCounterDeltas()).update(scheduler_stats)
             self.num_preemptions += deltas["num_preemptions"]
             self.prefix_cache_queries += deltas["prefix_cache_queries"]
             self.prefix_cache_hits += deltas["prefix_cache_hits"]
-            self.last_scheduler_stats = scheduler_stats
+            if not self.aggregated:
+                self.last_scheduler_stats = scheduler_stats
+
+    def aggregate_scheduler_stats(self) -> None:
+        """A per-engine logger has nothing to aggregate (AggregatedLoggingStatLogger has)."""
 
     def log(self, now: float | None = None) -> None:
         """Log the line (kept in `last_line`) and start a new interval."""
@@ -126,15 +164,17 @@ class LoggingStatLogger(StatLoggerBase):
         generation_tp = self.num_generation_tokens / elapsed if elapsed > 0 else 0.0
         if self.prefix_cache_queries:
             self.prefix_cache_hit_rate = self.prefix_cache_hits / self.prefix_cache_queries
-        idle = not any((prompt_tp, generation_tp, self.last_prompt_throughput, self.last_generation_throughput))
+        self.engine_is_idle = not any((prompt_tp, generation_tp, self.last_prompt_throughput,
+                                       self.last_generation_throughput))
         self.last_prompt_throughput, self.last_generation_throughput = prompt_tp, generation_tp
+        self.aggregate_scheduler_stats()
         self.last_line = self._format_line(prompt_tp, generation_tp)
         self._reset(now)
-        logger.log(logging.DEBUG if idle else logging.INFO, "%s", self.last_line)
+        logger.log(logging.DEBUG if self.engine_is_idle else logging.INFO, "%s", self.last_line)
 
     def _format_line(self, prompt_tp: float, generation_tp: float) -> str:
         stats = self.last_scheduler_stats
-        parts = [f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt_tp:.1f} tokens/s",
+        parts = [f"{self.log_prefix}Avg prompt throughput: {prompt_tp:.1f} tokens/s",
                  f"Avg generation throughput: {generation_tp:.1f} tokens/s",
                  f"Running: {stats.num_running_reqs} reqs", f"Waiting: {stats.num_waiting_reqs} reqs"]
         if self.num_preemptions:  # vLLM shows the field only when there were some
@@ -143,129 +183,370 @@ class LoggingStatLogger(StatLoggerBase):
         parts.append(f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%")
         return ", ".join(parts)
 
+    def log_engine_initialized(self) -> None:
+        if num_gpu_blocks := _num_gpu_blocks(self.vllm_config):
+            logger.debug("%svllm cache_config_info with initialization after num_gpu_blocks is: %d",
+                         self.log_prefix, num_gpu_blocks)
 
-class PrometheusStatLogger(StatLoggerBase):
-    """vLLM's metric set, named `prefix + vLLM's name without "vllm:"`, labelled
-    `model_name` and `engine`, in its own `CollectorRegistry` (never prometheus_client's
-    global one: two engines in one process would collide there)."""
 
-    def __init__(self, model_name: str, max_model_len: int, *, prefix: str = TIDAL_PREFIX,
-                 engine_index: int = 0, registry: prom.CollectorRegistry | None = None) -> None:
+class AggregatedLoggingStatLogger(LoggingStatLogger, AggregateStatLoggerBase):
+    """vLLM's summary line over several engines (`engine_indexes`): throughput summed, running
+    and waiting summed over the engines' latest stats, KV usage their mean."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:  # type: ignore[override]
+        self.engine_indexes = list(engine_indexes)
+        self.last_scheduler_stats_dict: dict[int, SchedulerStats] = {i: SchedulerStats() for i in self.engine_indexes}
+        LoggingStatLogger.__init__(self, vllm_config, engine_index=-1)
+        self.aggregated = True
+
+    @property
+    def log_prefix(self) -> str:
+        return f"{len(self.engine_indexes)} Engines Aggregated: "
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
+        if engine_idx not in self.last_scheduler_stats_dict:
+            logger.warning("Unexpected engine_idx: %d", engine_idx)
+            return
+        LoggingStatLogger.record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
+        if scheduler_stats is not None:
+            self.last_scheduler_stats_dict[engine_idx] = scheduler_stats
+
+    def aggregate_scheduler_stats(self) -> None:
+        per_engine = list(self.last_scheduler_stats_dict.values())
+        self.last_scheduler_stats = SchedulerStats(
+            num_running_reqs=sum(s.num_running_reqs for s in per_engine),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in per_engine),
+            kv_cache_usage=sum(s.kv_cache_usage for s in per_engine) / max(len(per_engine), 1))
+
+    def log_engine_initialized(self) -> None:
+        if num_gpu_blocks := _num_gpu_blocks(self.vllm_config):
+            logger.info("%d Engines: vllm cache_config_info with initialization after num_gpu_blocks is: %d",
+                        len(self.engine_indexes), num_gpu_blocks)
+
+
+class PerEngineStatLoggerAdapter(AggregateStatLoggerBase):
+    """vLLM's adapter: one logger per engine from a per-engine factory, each fed its engine's records."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int],  # type: ignore[override]
+                 per_engine_stat_logger_factory: PerEngineStatLoggerFactory) -> None:
+        self.engine_indexes = list(engine_indexes)
+        self.per_engine_stat_loggers: dict[int, StatLoggerBase] = {
+            i: per_engine_stat_logger_factory(vllm_config, i) for i in self.engine_indexes}
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
+        stat_logger = self.per_engine_stat_loggers.get(engine_idx)
+        if stat_logger is None:
+            logger.warning("Unexpected engine_idx: %d", engine_idx)
+            return
+        stat_logger.record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
+
+    def log(self) -> None:
+        for stat_logger in self.per_engine_stat_loggers.values():
+            stat_logger.log()
+
+    def log_engine_initialized(self) -> None:
+        for stat_logger in self.per_engine_stat_loggers.values():
+            stat_logger.log_engine_initialized()
+
+    def record_sleep_state(self, is_awake: int = 0, level: int = 0) -> None:
+        for stat_logger in self.per_engine_stat_loggers.values():
+            stat_logger.record_sleep_state(is_awake, level)
+
+
+class PrometheusStatLogger(AggregateStatLoggerBase):
+    """vLLM's metric set, named `prefix` + vLLM's name without "vllm:" (vLLM's own names by
+    default), labelled `model_name` and `engine` (one child per engine of `engine_indexes`), in
+    its own `CollectorRegistry` (never prometheus_client's global one: two engines in one
+    process would collide there). Built vLLM's way, `(vllm_config, engine_indexes)`, or, by
+    tidal's front-end, from `model_name` and `max_model_len` alone (then `cache_config_info`
+    has no config to show and is left out)."""
+
+    def __init__(self, vllm_config: Any = None, engine_indexes: list[int] | None = None, *,  # type: ignore[override]
+                 model_name: str | None = None, max_model_len: int | None = None, prefix: str = VLLM_PREFIX,
+                 registry: prom.CollectorRegistry | None = None) -> None:
+        self.vllm_config = vllm_config
+        self.engine_indexes = [0] if engine_indexes is None else list(engine_indexes)
+        if model_name is None or max_model_len is None:
+            if vllm_config is None:
+                raise ValueError("PrometheusStatLogger needs a vllm_config, or model_name and max_model_len")
+            model_config = vllm_config.model_config
+            model_name = model_config.served_model_name if model_name is None else model_name
+            max_model_len = model_config.max_model_len if max_model_len is None else max_model_len
+        self.model_name = str(model_name)
         self.prefix = prefix
         self.registry = prom.CollectorRegistry() if registry is None else registry
-        self._label_values = (model_name, str(engine_index))
-        self._deltas = CoreCounterDeltas()
+        self._label_values = {i: (self.model_name, str(i)) for i in self.engine_indexes}
+        self._deltas = {i: CoreCounterDeltas() for i in self.engine_indexes}
+        self._cache_config_info: prom.Gauge | None = None
+        self._spec_decode: dict[str, Any] | None = None
         self._make_scheduler_metrics()
-        self._make_token_metrics(build_1_2_5_buckets(max_model_len))
+        self._make_token_metrics(build_1_2_5_buckets(int(max_model_len)))
         self._make_latency_metrics()
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            self._make_spec_decode_metrics()
 
     # ------------------------------------------------------------------ definitions
-    def _gauge(self, name: str, doc: str) -> prom.Gauge:
-        return prom.Gauge(self.prefix + name, doc, LABEL_NAMES, registry=self.registry).labels(*self._label_values)
+    def _per_engine(self, family: Any) -> dict[int, Any]:
+        return {i: family.labels(*values) for i, values in self._label_values.items()}
 
-    def _counter(self, name: str, doc: str) -> prom.Counter:
-        return prom.Counter(self.prefix + name, doc, LABEL_NAMES, registry=self.registry).labels(*self._label_values)
+    def _gauge(self, name: str, doc: str) -> dict[int, prom.Gauge]:
+        return self._per_engine(prom.Gauge(self.prefix + name, doc, LABEL_NAMES, registry=self.registry))
 
-    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
-        return prom.Histogram(self.prefix + name, doc, LABEL_NAMES, registry=self.registry,
-                              buckets=buckets).labels(*self._label_values)
+    def _counter(self, name: str, doc: str, prefix: str | None = None) -> dict[int, prom.Counter]:
+        name = (self.prefix if prefix is None else prefix) + name
+        return self._per_engine(prom.Counter(name, doc, LABEL_NAMES, registry=self.registry))
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> dict[int, prom.Histogram]:
+        return self._per_engine(prom.Histogram(self.prefix + name, doc, LABEL_NAMES, registry=self.registry,
+                                               buckets=buckets))
+
+    def _labelled(self, kind: type, name: str, doc: str, label: str,
+                  values: Sequence[str]) -> dict[str, dict[int, Any]]:
+        """A metric with one more label than `model_name`, `engine`: {value: {engine: child}},
+        every value exported from the start (at 0), so a rate over it exists before the first."""
+        family = kind(self.prefix + name, doc, LABEL_NAMES + (label,), registry=self.registry)
+        return {v: {i: family.labels(*lv, v) for i, lv in self._label_values.items()} for v in values}
 
     def _make_scheduler_metrics(self) -> None:
-        self.gauge_running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.gauge_waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_scheduler_running = self._gauge("num_requests_running",
+                                                   "Number of requests in model execution batches.")
+        self.gauge_scheduler_waiting = self._gauge("num_requests_waiting",
+                                                   "Number of requests waiting to be processed.")
+        self.gauge_waiting_by_reason = self._labelled(
+            prom.Gauge, "num_requests_waiting_by_reason",
+            "Number of waiting requests by reason: 'capacity' = waiting for scheduling capacity; 'deferred' = "
+            "held back by a passing constraint (a grammar still compiling). They sum to vllm:num_requests_waiting.",
+            "reason", (WAITING_REASON_CAPACITY, WAITING_REASON_DEFERRED))
+        self.gauge_engine_sleep_state = self._labelled(
+            prom.Gauge, "engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            "sleep_state", SLEEP_STATES)
+        self.record_sleep_state()  # tidal's engine never sleeps: awake from the start
         self.gauge_kv_cache_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.counter_prefix_cache_queries = self._counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.counter_prefix_cache_hits = self._counter(
             "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.counter_preemptions = self._counter("num_preemptions", "Cumulative number of preemptions by the engine.")
-        # tidal's own: the engine core died and was replaced, its requests resumed
-        self.counter_core_restarts = self._counter("num_core_restarts",
-                                                   "Cumulative number of engine-core restarts.")
+        # No KV connector and no multi-modal inputs in tidal: these stay 0, as vLLM's do without them.
+        self.counter_connector_prefix_cache_queries = self._counter(
+            "external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in tokens.")
+        self.counter_connector_prefix_cache_hits = self._counter(
+            "external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in tokens.")
+        self.counter_mm_cache_queries = self._counter(
+            "mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.")
+        self.counter_mm_cache_hits = self._counter(
+            "mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
+        self.counter_num_preempted_reqs = self._counter(
+            "num_preemptions", "Cumulative number of preemption from the engine.")
+        # tidal's own (vLLM has no such metric): the engine core died and was replaced, its requests resumed
+        self.counter_core_restarts = self._counter(
+            "num_core_restarts", "Cumulative number of engine-core restarts.", prefix=TIDAL_PREFIX)
 
     def _make_token_metrics(self, token_buckets: list[int]) -> None:
         self.counter_prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_prompt_tokens_by_source = self._labelled(
+            prom.Counter, "prompt_tokens_by_source", "Number of prompt tokens by source.", "source",
+            PromptTokenStats.ALL_SOURCES)
         self.counter_prompt_tokens_cached = self._counter(
-            "prompt_tokens_cached", "Number of prompt tokens found in the prefix cache.")
+            "prompt_tokens_cached", "Number of cached prompt tokens (local + external).")
         self.counter_generation_tokens = self._counter("generation_tokens", "Number of generation tokens processed.")
-        success = prom.Counter(self.prefix + "request_success", "Count of successfully processed requests.",
-                               LABEL_NAMES + ("finished_reason",), registry=self.registry)
-        self._success_family = success
-        # Every reason exported from the start (at 0), so a rate over it exists before the first.
-        self.counter_request_success = {r: success.labels(*self._label_values, r) for r in FINISH_REASONS}
-        self.histogram_prompt_tokens = self._histogram(
+        self._success_family = prom.Counter(self.prefix + "request_success",
+                                            "Count of successfully processed requests.",
+                                            LABEL_NAMES + ("finished_reason",), registry=self.registry)
+        self.counter_request_success = {
+            r: {i: self._success_family.labels(*lv, r) for i, lv in self._label_values.items()} for r in FINISH_REASONS}
+        self.histogram_num_prompt_tokens_request = self._histogram(
             "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
-        self.histogram_generation_tokens = self._histogram(
+        self.histogram_num_generation_tokens_request = self._histogram(
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets)
-        self.histogram_prefill_kv_computed = self._histogram(
-            "request_prefill_kv_computed_tokens", "New KV tokens computed in prefill (not cached).", token_buckets)
-        self.histogram_max_tokens = self._histogram(
-            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets)
         self.histogram_iteration_tokens = self._histogram(
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        self.histogram_max_num_generation_tokens_request = self._histogram(
+            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
+        self.histogram_n_request = self._histogram(
+            "request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
+        self.histogram_max_tokens_request = self._histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets)
+        self.histogram_prefill_kv_computed_request = self._histogram(
+            "request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", token_buckets)
 
     def _make_latency_metrics(self) -> None:
-        self.histogram_ttft = self._histogram(
+        self.histogram_time_to_first_token = self._histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.histogram_itl = self._histogram(
+        self.histogram_inter_token_latency = self._histogram(
             "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.histogram_tpot = self._histogram(
-            "request_time_per_output_token_seconds", "Histogram of mean time per output token per request.",
+        self.histogram_request_time_per_output_token = self._histogram(
+            "request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS)
-        phases = {"e2e_request_latency_seconds": "e2e request latency",
-                  "request_queue_time_seconds": "time spent in WAITING phase",
-                  "request_inference_time_seconds": "time spent in RUNNING phase",
-                  "request_prefill_time_seconds": "time spent in PREFILL phase",
-                  "request_decode_time_seconds": "time spent in DECODE phase"}
-        self.histogram_phase = {name: self._histogram(name, f"Histogram of {what} in seconds.",
-                                                      REQUEST_LATENCY_BUCKETS) for name, what in phases.items()}
+        phases = {"e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+                  "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+                  "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+                  "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+                  "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request."}
+        self.histogram_phase = {name: self._histogram(name, doc, REQUEST_LATENCY_BUCKETS)
+                                for name, doc in phases.items()}
+
+    def _make_spec_decode_metrics(self) -> None:
+        """vLLM's speculative-decoding counters (there only when speculation is on; acceptance
+        rate = rate(accepted_tokens) / rate(draft_tokens)). Made when the config says
+        speculation is on, or at the first stats that show drafts (no config given)."""
+        if self._spec_decode is not None:
+            return
+        per_pos = prom.Counter(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted tokens per draft position.", LABEL_NAMES + ("position",),
+                               registry=self.registry)
+        self._spec_decode = {
+            "spec_decode_num_drafts": self._counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+            "spec_decode_num_draft_tokens": self._counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+            "spec_decode_num_accepted_tokens": self._counter(
+                "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            "per_pos": per_pos, "per_pos_children": {i: [] for i in self.engine_indexes},
+        }
+        num_positions = getattr(getattr(self.vllm_config, "speculative_config", None), "num_speculative_tokens", 0)
+        for i in self.engine_indexes:
+            self._spec_decode_position(i, (num_positions or 0) - 1)
+
+    def _spec_decode_position(self, engine_idx: int, position: int) -> list[prom.Counter]:
+        assert self._spec_decode is not None
+        children = self._spec_decode["per_pos_children"].setdefault(engine_idx, [])
+        while len(children) <= position:
+            children.append(self._spec_decode["per_pos"].labels(*self._label_values[engine_idx], str(len(children))))
+        return children
+
+    def log_metrics_info(self, type: str, config_obj: Any) -> None:  # noqa: A002 - vLLM's name
+        """vLLM's info-style gauge (permanently 1) with a config's fields as labels, plus `engine`."""
+        if type != "cache_config":
+            raise ValueError(f"Unknown metrics info type {type}")
+        info = cache_config_metrics_info(config_obj)
+        gauge = prom.Gauge(self.prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                           [*info, "engine"], registry=self.registry)
+        for i in self.engine_indexes:
+            gauge.labels(**info, engine=str(i)).set(1)
+        self._cache_config_info = gauge
+
+    def log_engine_initialized(self) -> None:
+        """vLLM's: export `cache_config_info` (once, and only with a config to show)."""
+        cache_config = getattr(self.vllm_config, "cache_config", None)
+        if cache_config is not None and self._cache_config_info is None:
+            self.log_metrics_info("cache_config", cache_config)
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        """vLLM's: sleep 0 = awake; sleep 1 at level 1 = weights offloaded, level 2 = all discarded."""
+        values = {"awake": int(sleep != 1), "weights_offloaded": int(sleep == 1 and level == 1),
+                  "discard_all": int(sleep == 1 and level == 2)}
+        for state, value in values.items():
+            for gauge in self.gauge_engine_sleep_state[state].values():
+                gauge.set(value)
+
+    def record_core_restart(self, engine_idx: int = 0) -> None:
+        self.counter_core_restarts[engine_idx].inc()
 
     # ------------------------------------------------------------------ recording
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
+        if engine_idx not in self._label_values:
+            logger.warning("Unexpected engine_idx: %d", engine_idx)
+            return
         if scheduler_stats is not None:
-            self._record_scheduler(scheduler_stats)
+            self._record_scheduler(scheduler_stats, engine_idx)
+        if mm_cache_stats is not None:
+            self.counter_mm_cache_queries[engine_idx].inc(getattr(mm_cache_stats, "queries", 0))
+            self.counter_mm_cache_hits[engine_idx].inc(getattr(mm_cache_stats, "hits", 0))
         if iteration_stats is not None:
-            self._record_iteration(iteration_stats)
+            self._record_iteration(iteration_stats, engine_idx)
             for finished in iteration_stats.finished_requests:
-                self._record_finished(finished)
+                self._record_finished(finished, engine_idx)
 
-    def _record_scheduler(self, stats: SchedulerStats) -> None:
-        self.gauge_running.set(stats.num_running_reqs)
-        self.gauge_waiting.set(stats.num_waiting_reqs)
-        self.gauge_kv_cache_usage.set(stats.kv_cache_usage)
-        deltas = self._deltas.update(stats)
-        self.counter_prefix_cache_queries.inc(deltas["prefix_cache_queries"])
-        self.counter_prefix_cache_hits.inc(deltas["prefix_cache_hits"])
-        self.counter_preemptions.inc(deltas["num_preemptions"])
+    def _record_scheduler(self, stats: SchedulerStats, i: int) -> None:
+        # tidal's num_waiting_reqs counts every waiting request; those of them held back for a
+        # passing reason are `num_skipped_waiting_reqs` where the core reports it (vLLM's
+        # num_waiting_reqs is the capacity part only, its total waiting + skipped).
+        waiting = stats.num_waiting_reqs
+        deferred = min(max(int(getattr(stats, "num_skipped_waiting_reqs", 0) or 0), 0), waiting)
+        self.gauge_scheduler_running[i].set(stats.num_running_reqs)
+        self.gauge_scheduler_waiting[i].set(waiting)
+        self.gauge_waiting_by_reason[WAITING_REASON_CAPACITY][i].set(waiting - deferred)
+        self.gauge_waiting_by_reason[WAITING_REASON_DEFERRED][i].set(deferred)
+        self.gauge_kv_cache_usage[i].set(stats.kv_cache_usage)
+        counters = self._deltas[i]
+        deltas = counters.update(stats)
+        self.counter_prefix_cache_queries[i].inc(deltas["prefix_cache_queries"])
+        self.counter_prefix_cache_hits[i].inc(deltas["prefix_cache_hits"])
+        self.counter_num_preempted_reqs[i].inc(deltas["num_preemptions"])
+        if self._spec_decode is None and (deltas["spec_decode_num_drafts"] or counters.accepted_per_pos):
+            self._make_spec_decode_metrics()
+        if self._spec_decode is not None:
+            for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+                self._spec_decode[name][i].inc(deltas[name])
+            children = self._spec_decode_position(i, len(counters.accepted_per_pos) - 1)
+            for child, n in zip(children, counters.accepted_per_pos):
+                child.inc(n)
 
-    def _record_iteration(self, it: IterationStats) -> None:
-        self.counter_prompt_tokens.inc(it.num_prompt_tokens)
-        self.counter_prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
-        self.counter_generation_tokens.inc(it.num_generation_tokens)
-        num_tokens = it.num_prompt_tokens + it.num_generation_tokens
+    def _record_iteration(self, it: IterationStats, i: int) -> None:
+        self.counter_prompt_tokens[i].inc(it.num_prompt_tokens)
+        pts = it.prompt_token_stats
+        for source in PromptTokenStats.ALL_SOURCES:
+            if n := pts.get_by_source(source):  # (an inc takes a lock: none for nothing)
+                self.counter_prompt_tokens_by_source[source][i].inc(n)
+        if pts.cached_tokens:
+            self.counter_prompt_tokens_cached[i].inc(pts.cached_tokens)
+        self.counter_generation_tokens[i].inc(it.num_generation_tokens)
+        num_tokens = pts.computed + it.num_generation_tokens  # as vLLM: the prompt tokens computed
         if num_tokens:  # a record for requests finished outside a step is no step
-            self.histogram_iteration_tokens.observe(num_tokens)
-        observe_many(self.histogram_ttft, it.time_to_first_tokens_iter)
-        observe_many(self.histogram_itl, it.inter_token_latencies_iter)
+            self.histogram_iteration_tokens[i].observe(num_tokens)
+        observe_many(self.histogram_max_num_generation_tokens_request[i], it.max_num_generation_tokens_iter)
+        observe_many(self.histogram_n_request[i], it.n_params_iter)
+        observe_many(self.histogram_time_to_first_token[i], it.time_to_first_tokens_iter)
+        observe_many(self.histogram_inter_token_latency[i], it.inter_token_latencies_iter)
 
-    def _record_finished(self, f: FinishedRequestStats) -> None:
-        counter = self.counter_request_success.get(f.finish_reason)
-        if counter is None:  # a reason this build does not know: count it under its own label
-            counter = self._success_family.labels(*self._label_values, f.finish_reason)
-        counter.inc()
+    def _record_finished(self, f: FinishedRequestStats, i: int) -> None:
+        by_engine = self.counter_request_success.get(f.finish_reason)
+        if by_engine is None:  # a reason this build does not know: count it under its own label
+            self._success_family.labels(*self._label_values[i], f.finish_reason).inc()
+        else:
+            by_engine[i].inc()
         phase = self.histogram_phase
-        phase["e2e_request_latency_seconds"].observe(f.e2e_latency)
-        phase["request_queue_time_seconds"].observe(f.queued_time)
-        phase["request_inference_time_seconds"].observe(f.inference_time)
-        phase["request_prefill_time_seconds"].observe(f.prefill_time)
-        phase["request_decode_time_seconds"].observe(f.decode_time)
-        self.histogram_prompt_tokens.observe(f.num_prompt_tokens)
-        self.histogram_generation_tokens.observe(f.num_generation_tokens)
-        self.histogram_prefill_kv_computed.observe(f.num_prompt_tokens - min(f.num_cached_tokens, f.num_prompt_tokens))
-        self.histogram_tpot.observe(f.mean_time_per_output_token)
+        phase["e2e_request_latency_seconds"][i].observe(f.e2e_latency)
+        phase["request_queue_time_seconds"][i].observe(f.queued_time)
+        phase["request_inference_time_seconds"][i].observe(f.inference_time)
+        phase["request_prefill_time_seconds"][i].observe(f.prefill_time)
+        phase["request_decode_time_seconds"][i].observe(f.decode_time)
+        self.histogram_num_prompt_tokens_request[i].observe(f.num_prompt_tokens)
+        self.histogram_num_generation_tokens_request[i].observe(f.num_generation_tokens)
+        self.histogram_prefill_kv_computed_request[i].observe(
+            f.num_prompt_tokens - min(f.num_cached_tokens, f.num_prompt_tokens))
+        self.histogram_request_time_per_output_token[i].observe(f.mean_time_per_output_token)
         if f.max_tokens_param:
-            self.histogram_max_tokens.observe(f.max_tokens_param)
+            self.histogram_max_tokens_request[i].observe(f.max_tokens_param)
+
+
+def cache_config_metrics_info(cache_config: Any) -> dict[str, str]:
+    """vLLM's `CacheConfig.metrics_info()`: each field as a string label value. tidal's
+    CacheConfig view has a subset of vLLM's fields; the ones vLLM's tests name that it lacks
+    get the value vLLM shows for them when unused (no CPU blocks, no swap, no sliding window)."""
+    info_method = getattr(cache_config, "metrics_info", None)
+    if callable(info_method):
+        return {str(k): str(v) for k, v in info_method().items()}
+    fields = {k: v for k, v in vars(cache_config).items() if not k.startswith("_")}
+    fields.setdefault("num_cpu_blocks", None)
+    fields.setdefault("sliding_window", None)
+    fields.setdefault("swap_space_bytes", float(fields.get("swap_space") or 0.0) * (1 << 30))
+    return {k: str(v) for k, v in sorted(fields.items())}
+
+
+PromMetric: TypeAlias = prom.Gauge | prom.Counter | prom.Histogram
+
+
+def make_per_engine(metric: Any, engine_idxs: list[int], model_name: object) -> dict[int, Any]:
+    """vLLM's helper: the metric's child per engine, labelled (model_name, engine)."""
+    return {i: metric.labels(model_name, str(i)) for i in engine_idxs}
 
 
 def observe_many(histogram: prom.Histogram, values: Sequence[float]) -> None:
@@ -293,20 +574,76 @@ def observe_many(histogram: prom.Histogram, values: Sequence[float]) -> None:
             cells[i].inc(n)
 
 
-class EngineMetrics:
-    """One engine's metrics: the Prometheus metric set (`registry`, under `prefix`), the
-    one-line stats log, and any extra `StatLoggerBase` (a user's `stat_loggers`), all fed by
-    `record`. See the module docstring for the calls a front-end makes."""
+class StatLoggerManager:
+    """vLLM's manager of an engine's stat loggers, for code that builds one itself: `custom_stat_loggers`
+    (an AggregateStatLoggerBase subclass is built once for all engines, any other factory once
+    per engine, behind a PerEngineStatLoggerAdapter), vLLM's default LoggingStatLogger (or the
+    aggregated one) while INFO logging is on, and a PrometheusStatLogger unless one of the
+    custom ones is. (tidal's front-end uses EngineMetrics, which holds the same loggers.)"""
 
-    def __init__(self, model_name: str, max_model_len: int, *, prefix: str = TIDAL_PREFIX,
+    def __init__(self, vllm_config: Any, engine_idxs: list[int] | None = None,
+                 custom_stat_loggers: list[StatLoggerFactory] | None = None, enable_default_loggers: bool = True,
+                 aggregate_engine_logging: bool = False, client_count: int = 1) -> None:
+        self.engine_indexes = list(engine_idxs) if engine_idxs else [0]
+        self.stat_loggers: list[AggregateStatLoggerBase] = []
+        factories: list[StatLoggerFactory] = list(custom_stat_loggers or [])
+        if enable_default_loggers and logger.isEnabledFor(logging.INFO):
+            if client_count > 1:
+                logger.warning("AsyncLLM created with api_server_count more than 1; "
+                               "disabling stats logging to avoid incomplete stats.")
+            else:
+                factories.append(AggregatedLoggingStatLogger if aggregate_engine_logging else LoggingStatLogger)
+        custom_prometheus = False
+        for factory in factories:
+            stat_logger: AggregateStatLoggerBase
+            if isinstance(factory, type) and issubclass(factory, AggregateStatLoggerBase):
+                stat_logger = factory(vllm_config=vllm_config, engine_indexes=self.engine_indexes)
+                custom_prometheus = custom_prometheus or isinstance(stat_logger, PrometheusStatLogger)
+            else:
+                stat_logger = PerEngineStatLoggerAdapter(vllm_config, self.engine_indexes, factory)
+            self.stat_loggers.append(stat_logger)
+        if not custom_prometheus:
+            self.stat_loggers.append(PrometheusStatLogger(vllm_config, self.engine_indexes))
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               mm_cache_stats: object | None = None, engine_idx: int | None = None) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats,
+                               engine_idx=0 if engine_idx is None else engine_idx)
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_sleep_state(sleep, level)
+
+    def log(self) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.log()
+
+    def log_engine_initialized(self) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.log_engine_initialized()
+
+
+class EngineMetrics:
+    """One engine's metrics as tidal's front-end holds them: the Prometheus metric set
+    (`registry`, vLLM's names), the one-line stats log, and any extra `StatLoggerBase` (a
+    user's `stat_loggers`, already built), all fed by `record`. A user's PrometheusStatLogger
+    (subclass) replaces the built-in one, as in vLLM. With `vllm_config` (the engine's config,
+    limits resolved) the metrics include `cache_config_info`. See the module docstring."""
+
+    def __init__(self, model_name: str, max_model_len: int, *, prefix: str = VLLM_PREFIX,
                  engine_index: int = 0, log_interval_s: float = 10.0,
-                 stat_loggers: Sequence[StatLoggerBase] = ()) -> None:
-        self.prometheus = PrometheusStatLogger(model_name, max_model_len, prefix=prefix, engine_index=engine_index)
-        self.logging = LoggingStatLogger(engine_index)
+                 stat_loggers: Sequence[StatLoggerBase] = (), vllm_config: Any = None) -> None:
+        self.engine_index = engine_index
         self.user_loggers: list[StatLoggerBase] = list(stat_loggers)
+        custom = [s for s in self.user_loggers if isinstance(s, PrometheusStatLogger)]
+        self.prometheus: PrometheusStatLogger = custom[0] if custom else PrometheusStatLogger(
+            vllm_config, [engine_index], model_name=model_name, max_model_len=max_model_len, prefix=prefix)
+        self.logging = LoggingStatLogger(vllm_config, engine_index)
         self.log_interval_s = log_interval_s
         self._next_log = time.monotonic() + log_interval_s
         self._failed: set[int] = set()  # id() of each user logger whose first failure was logged
+        self.log_engine_initialized()
 
     @property
     def registry(self) -> prom.CollectorRegistry:
@@ -315,38 +652,58 @@ class EngineMetrics:
 
     @property
     def prefix(self) -> str:
+        """The prefix of the vLLM-named metrics ("vllm:")."""
         return self.prometheus.prefix
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+    def _builtins(self) -> list[StatLoggerBase]:
+        return [self.logging] if self.prometheus in self.user_loggers else [self.prometheus, self.logging]
+
+    def log_engine_initialized(self) -> None:
+        """vLLM's call once the engine is up (the built-in loggers' and each user logger's)."""
+        for stat_logger in self._builtins():
+            stat_logger.log_engine_initialized()
+        for stat_logger in self.user_loggers:
+            self._call_user_logger(stat_logger, "log_engine_initialized")
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               engine_idx: int | None = None) -> None:
         """Once per `EngineCoreOutputs` message (its `scheduler_stats`, None when it had none),
         and with `scheduler_stats=None` for requests finished outside a step (user aborts)."""
-        self.prometheus.record(scheduler_stats, iteration_stats)
-        self.logging.record(scheduler_stats, iteration_stats)
+        idx = self.engine_index if engine_idx is None else engine_idx
+        for stat_logger in self._builtins():
+            stat_logger.record(scheduler_stats, iteration_stats, None, idx)
+        # vLLM's defaults (mm_cache_stats None, engine_idx 0) are left to the logger's signature,
+        # so one written for an older vLLM (record(scheduler_stats, iteration_stats)) runs too.
+        extra = {} if idx == 0 else {"engine_idx": idx}
         for stat_logger in self.user_loggers:
             # Each user logger gets copies: one that edits its stats (or keeps and edits them
             # later) cannot change what the built-in loggers hold, or what another logger sees.
             self._call_user_logger(stat_logger, "record", copy.deepcopy(scheduler_stats),
-                                   copy.deepcopy(iteration_stats))
+                                   copy.deepcopy(iteration_stats), **extra)
 
     def record_core_restart(self) -> None:
-        self.prometheus.counter_core_restarts.inc()
+        self.prometheus.record_core_restart(self.engine_index)
 
     def log(self) -> None:
         """Every logger's periodic output now (vLLM's `do_log_stats()`)."""
         self._next_log = time.monotonic() + self.log_interval_s
-        self.prometheus.log()
-        self.logging.log()
+        for stat_logger in self._builtins():
+            stat_logger.log()
         for stat_logger in self.user_loggers:
             self._call_user_logger(stat_logger, "log")
 
-    def _call_user_logger(self, stat_logger: StatLoggerBase, method: str, *args: Any) -> None:
+    def _call_user_logger(self, stat_logger: StatLoggerBase, method: str, *args: Any, **kwargs: Any) -> None:
         """A user's stat logger that raises loses that call, never the engine: these calls run
         in the front-end's output handler (LLM's step loop), where an exception would end every
         stream. Its first failure is logged with the traceback; it is still called after.
         A CancelledError raised inside this synchronous call is the logger's own (a real
-        cancellation of the output handler arrives at an await, never in here): caught too."""
+        cancellation of the output handler arrives at an await, never in here): caught too.
+        A method it lacks (a duck-typed logger without log_engine_initialized) is skipped."""
+        fn = getattr(stat_logger, method, None)
+        if fn is None:
+            return
         try:
-            getattr(stat_logger, method)(*args)
+            fn(*args, **kwargs)
         except (Exception, asyncio.CancelledError):
             if id(stat_logger) not in self._failed:
                 self._failed.add(id(stat_logger))
@@ -366,5 +723,5 @@ class EngineMetrics:
         return True
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's `LLM.get_metrics()`: every metric as a reader record named `vllm:...`."""
+        """vLLM's `LLM.get_metrics()`: every vLLM metric as a reader record named `vllm:...`."""
         return get_metrics_snapshot(self.registry, self.prefix)

@@ -2,15 +2,17 @@
 
 `LLM.get_metrics()` returns these, so code and tests written against vLLM's reader run
 unchanged. The difference from vLLM: tidal reads an engine's own `CollectorRegistry` (never the
-process-global one, so two engines in one process stay apart) and its metrics may live under
-another prefix (`tidal:` for the server's `/metrics`); records always carry `vllm:` names.
+process-global one, so two engines in one process stay apart; called without one, as vLLM's,
+it reads prometheus_client's global registry), and metrics kept under another prefix are read
+back under vLLM's; records always carry `vllm:` names, and tidal's own (`tidal:...`) are not
+among them, as they are not vLLM's.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client import Metric as PromMetric
 from prometheus_client.samples import Sample
 
@@ -37,8 +39,8 @@ class Counter(Metric):
 
 @dataclass
 class Vector(Metric):
-    """An ordered array of integer counters (vLLM uses it for speculative decoding only;
-    tidal defines it so code that dispatches on the record types imports unchanged)."""
+    """An ordered array of integer counters: vLLM's (and tidal's) one use is
+    `vllm:spec_decode_num_accepted_tokens_per_pos`, its counters per draft position."""
 
     values: list[int]
 
@@ -61,22 +63,41 @@ class Histogram(Metric):
     buckets: dict[str, int]
 
 
-def get_metrics_snapshot(registry: CollectorRegistry, prefix: str = VLLM_PREFIX) -> list[Metric]:
+SPEC_DECODE_PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # a Vector: one counter per `position`
+
+
+def get_metrics_snapshot(registry: CollectorRegistry | None = None, prefix: str = VLLM_PREFIX) -> list[Metric]:
     """The registry's gauges, counters and histograms named `prefix...`, as records renamed
     to `vllm:...`. Other collector types (summary, info, ...) are skipped, as vLLM's reader
     skips what it cannot represent."""
     collected: list[Metric] = []
-    for metric in registry.collect():
+    for metric in (REGISTRY if registry is None else registry).collect():
         if not metric.name.startswith(prefix):
             continue
-        name = VLLM_PREFIX + metric.name[len(prefix):]
+        short = metric.name[len(prefix):]
+        name = VLLM_PREFIX + short
         if metric.type == "gauge":
             collected.extend(Gauge(name, s.labels, s.value) for s in _samples(metric, ""))
         elif metric.type == "counter":
-            collected.extend(Counter(name, s.labels, int(s.value)) for s in _samples(metric, "_total"))
+            samples = _samples(metric, "_total")
+            if short == SPEC_DECODE_PER_POS:
+                collected.extend(_vectors(name, samples))
+            else:
+                collected.extend(Counter(name, s.labels, int(s.value)) for s in samples)
         elif metric.type == "histogram":
             collected.extend(_histograms(name, metric))
     return collected
+
+
+def _vectors(name: str, samples: list[Sample]) -> Iterable[Vector]:
+    """One record per label set but `position`: the counts by position, 0.. the largest seen
+    (a position without a sample counts 0)."""
+    by_labels: dict[_LabelsKey, dict[int, int]] = {}
+    for s in samples:
+        labels = {k: v for k, v in s.labels.items() if k != "position"}
+        by_labels.setdefault(frozenset(labels.items()), {})[int(s.labels["position"])] = int(s.value)
+    for key, by_pos in by_labels.items():
+        yield Vector(name, dict(key), [by_pos.get(p, 0) for p in range(max(by_pos) + 1)])
 
 
 def _samples(metric: PromMetric, suffix: str) -> list[Sample]:

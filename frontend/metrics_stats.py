@@ -12,12 +12,17 @@ Clocks, as vLLM's: `arrival_time` and `iteration_timestamp` are this process's w
 `scheduled_ts`, `first_token_ts` and `last_token_ts` are the core's `time.monotonic()` (its
 events and its `EngineCoreOutputs.timestamp`), so queue, prefill, decode and inter-token
 intervals are differences within one clock even when the core runs on another host.
+
+The stat-logger interface (`StatLoggerBase`, `AggregateStatLoggerBase`) is vLLM's
+(vllm/v1/metrics/loggers.py), so a logger written for vLLM runs unchanged as a `stat_loggers`
+factory; the loggers themselves are in tidal.frontend.metrics (`tidal.v1.metrics.loggers`).
 """
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
+from abc import ABC, ABCMeta, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from tidal.protocol.messages import EngineCoreEventType, EngineCoreOutput, FinishReason, SchedulerStats
 from tidal.protocol.outputs import RequestStateStats
@@ -54,14 +59,27 @@ class IterationStats:
         self.num_prompt_tokens = 0  # whole prompts, counted at each request's first token
         self.num_cached_prompt_tokens = 0  # of those, found in the prefix cache
         self.num_preempted_reqs = 0  # PREEMPTED events seen on this front-end's requests
+        self.num_corrupted_reqs = 0  # vLLM's (NaNs in logits, under VLLM_COMPUTE_NANS_IN_LOGITS): never here
         self.finished_requests: list[FinishedRequestStats] = []
         self.time_to_first_tokens_iter: list[float] = []
         self.inter_token_latencies_iter: list[float] = []
+        # One entry per user request (an n > 1 request's children together) that finished in
+        # this step, as vLLM's: its `n`, and the most tokens any of its samples generated.
+        self.n_params_iter: list[int] = []
+        self.max_num_generation_tokens_iter: list[int] = []
 
     @property
     def num_computed_prompt_tokens(self) -> int:
         """Prompt tokens the core had to compute (not found in the prefix cache)."""
         return self.num_prompt_tokens - self.num_cached_prompt_tokens
+
+    @property
+    def prompt_token_stats(self) -> PromptTokenStats:
+        """vLLM's breakdown of this step's prompt tokens by source (tidal has no external KV
+        transfer: those are 0)."""
+        cached = self.num_cached_prompt_tokens
+        return PromptTokenStats(computed=self.num_prompt_tokens - cached, local_cache_hit=cached,
+                                cached_tokens=cached, total=self.num_prompt_tokens)
 
     def update_from_output(self, output: EngineCoreOutput, engine_core_timestamp: float,
                            prompt_len: int, req_stats: RequestStateStats) -> None:
@@ -108,10 +126,16 @@ class IterationStats:
 
     def update_from_finished_request(self, finish_reason: FinishReason | str, num_prompt_tokens: int,
                                      max_tokens_param: int | None, req_stats: RequestStateStats,
-                                     num_cached_tokens: int = 0) -> None:
+                                     num_cached_tokens: int = 0, *, n_param: int = 1,
+                                     group_finished: bool = True, group_max_generation_tokens: int = 0) -> None:
         """Record a (child) request the front-end finished, once, whatever ended it (the
         core's finish, a stop string found here, a user abort, an error). Call it after
-        `update_from_output` for the finishing output, so its last tokens are in `req_stats`."""
+        `update_from_output` for the finishing output, so its last tokens are in `req_stats`.
+
+        The request parameters (vLLM's `request_params_n`, `request_max_num_generation_tokens`)
+        are per user request: for a child of an n > 1 request pass `n_param=n`, whether it is
+        the last of its siblings to finish (`group_finished`) and the most tokens its finished
+        siblings generated (`group_max_generation_tokens`); the defaults describe a lone request."""
         first, last = req_stats.first_token_ts, req_stats.last_token_ts
         decode_time = _interval(first, last)
         num_tokens = req_stats.num_generation_tokens
@@ -129,6 +153,9 @@ class IterationStats:
             mean_time_per_output_token=decode_time / (num_tokens - 1) if num_tokens > 1 else 0.0,
             num_cached_tokens=max(num_cached_tokens, 0),
         ))
+        if group_finished:
+            self.n_params_iter.append(n_param)
+            self.max_num_generation_tokens_iter.append(max(num_tokens, group_max_generation_tokens))
 
 
 def _interval(start: float, end: float) -> float:
@@ -140,20 +167,79 @@ def _interval(start: float, end: float) -> float:
     return max(0.0, end - start)
 
 
+@dataclass
+class PromptTokenStats:
+    """vLLM's breakdown of prompt tokens by source: `computed` + `local_cache_hit` +
+    `external_kv_transfer` = `total`; `cached_tokens` = the two cached sources."""
+
+    ALL_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's label values
+
+    computed: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    total: int = 0
+
+    def get_by_source(self, source: str) -> int:
+        if source == "local_compute":
+            return self.computed
+        if source == "local_cache_hit":
+            return self.local_cache_hit
+        if source == "external_kv_transfer":
+            return self.external_kv_transfer
+        raise ValueError(f"unknown prompt token source {source!r}")
+
+
 class StatLoggerBase(ABC):
-    """vLLM's stat-logger interface: `record` once per engine step (and for requests finished
-    outside a step), `log` periodically. A user's `stat_loggers=[...]` factory returns one."""
+    """vLLM's stat-logger interface (vllm/v1/metrics/loggers.py): built by a factory called
+    with `(vllm_config, engine_index)` (a user's `stat_loggers=[...]` entry, e.g. the class
+    itself), `record` once per engine step (and for requests finished outside a step, then
+    with `scheduler_stats=None`), `log_engine_initialized` once the engine is up, `log`
+    periodically (vLLM's `do_log_stats`). As in vLLM, `SchedulerStats` and `IterationStats` are
+    not a stable interface."""
+
+    @abstractmethod
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        ...
 
     @abstractmethod
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
         ...
 
+    @abstractmethod
+    def log_engine_initialized(self) -> None:
+        ...
+
     def log(self) -> None:  # optional, as in vLLM
         pass
 
-    def log_engine_initialized(self) -> None:
+    def record_sleep_state(self, is_awake: int = 0, level: int = 0) -> None:  # optional, as in vLLM
         pass
+
+
+class _EngineIndexesMeta(ABCMeta):
+    """Lets an aggregate logger class be a plain `stat_loggers` factory: called with
+    `(vllm_config, engine_index)` as every factory is, it gets vLLM's `engine_indexes` list."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) >= 2 and isinstance(args[1], int):
+            args = (args[0], [args[1]], *args[2:])
+        if isinstance(kwargs.get("engine_indexes"), int):
+            kwargs["engine_indexes"] = [kwargs["engine_indexes"]]
+        if "engine_index" in kwargs and "engine_indexes" not in kwargs:
+            kwargs["engine_indexes"] = [kwargs.pop("engine_index")]
+        return super().__call__(*args, **kwargs)
+
+
+class AggregateStatLoggerBase(StatLoggerBase, metaclass=_EngineIndexesMeta):
+    """vLLM's logger for several engines at once (data parallel ranks), built with
+    `(vllm_config, engine_indexes)`; `record`'s `engine_idx` says which engine a record is of."""
+
+    @abstractmethod
+    def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:  # type: ignore[override]
+        ...
 
 
 class CoreCounterDeltas:
@@ -161,16 +247,25 @@ class CoreCounterDeltas:
     a Prometheus counter takes). A restarted core counts from zero again: when any of its
     counters goes back, the new values are all new."""
 
-    COUNTED = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    COUNTED = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "spec_decode_num_drafts",
+               "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     # Also watched for a restart: a field that stays 0 on both cores cannot reveal one.
     _WATCHED = COUNTED + ("num_prompt_tokens", "num_generation_tokens")
 
     def __init__(self) -> None:
         self._last = dict.fromkeys(self._WATCHED, 0)
+        self._last_per_pos: list[int] = []
+        # The per-position increments of `spec_decode_num_accepted_tokens_per_pos` of the last update.
+        self.accepted_per_pos: list[int] = []
 
     def update(self, stats: SchedulerStats) -> dict[str, int]:
         current = {name: getattr(stats, name) for name in self._WATCHED}
-        restarted = any(current[name] < self._last[name] for name in self._WATCHED)
+        per_pos = list(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", None) or [])
+        restarted = any(current[name] < self._last[name] for name in self._WATCHED) or any(
+            now < before for now, before in zip(per_pos, self._last_per_pos))
         base = dict.fromkeys(self._WATCHED, 0) if restarted else self._last
+        base_pos = [] if restarted else self._last_per_pos
         self._last = current
+        self._last_per_pos = per_pos
+        self.accepted_per_pos = [n - (base_pos[i] if i < len(base_pos) else 0) for i, n in enumerate(per_pos)]
         return {name: current[name] - base[name] for name in self.COUNTED}

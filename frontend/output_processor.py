@@ -7,6 +7,7 @@ output kind; the `RequestOutput` goes in the request's queue (`AsyncLLM`) or is 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,13 @@ class OutputProcessor:
         # (and anything before it) belongs to the old request even if the id was reused since.
         self._awaiting_final: dict[str, int] = {}
         self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
+        # pause_generation(mode="keep"): requests whose core run was aborted while their state
+        # here stays open. `_parking`: the core's one finished output for the old run is still
+        # to come (the outputs before it are processed as usual); `_parked`: it came (or the
+        # core was lost), nothing of it runs anywhere until `unpark_requests`. Both are subsets
+        # of request_states (`_drop` keeps them so).
+        self._parking: set[str] = set()
+        self._parked: set[str] = set()
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
                     queue: RequestOutputCollector | None = None) -> list[EngineCoreRequest]:
@@ -92,7 +100,7 @@ class OutputProcessor:
         result = OutputProcessorOutput()
         step = self._step(iteration_stats, engine_core_timestamp)
         request_outputs, reqs_to_abort = result.request_outputs, result.reqs_to_abort
-        states, awaiting = self.request_states, self._awaiting_final
+        states, awaiting, parking = self.request_states, self._awaiting_final, self._parking
         for out in outputs:
             req_id = out.request_id
             if awaiting and req_id in awaiting:
@@ -100,6 +108,12 @@ class OutputProcessor:
                     if (left := awaiting.pop(req_id) - 1) > 0:
                         awaiting[req_id] = left
                 continue
+            if parking and req_id in parking and out.finish_reason is not None:
+                parking.discard(req_id)
+                if out.finish_reason == FinishReason.ABORT:  # the keep-pause's own abort: parked
+                    self._parked.add(req_id)
+                    continue
+                # else it finished on its own meanwhile (length, stop, error): as usual below
             state = states.get(req_id)
             if state is None:
                 continue  # aborted, or unknown
@@ -160,14 +174,66 @@ class OutputProcessor:
         after the last message read here is generated again, identically (sampling is a
         function of seed and position)."""
         self._awaiting_final.clear()  # the old core's final outputs will never come
-        states = self.request_states
-        plan = triage(((st.resume, len(st.generated)) for st in states.values()), failed_step_request_ids)
+        # A parking request's run ended with the core: parked. Parked ones stay out of the new
+        # core until unpark_requests (and out of the blame: they were not running).
+        self._parked.update(self._parking)
+        self._parking.clear()
+        states, parked = self.request_states, self._parked
+        plan = triage(((st.resume, len(st.generated)) for rid, st in states.items() if rid not in parked),
+                      failed_step_request_ids)
         resend: list[EngineCoreRequest] = []
         for record in plan.resend:
             state = states[record.request_id]
             state.resume = record
             resend.append(record.resubmission(state.generated))
         return resend, [give_up_output(record) for record in plan.give_up]
+
+    # ------------------------------------------------------- pause(mode="keep")
+    def park_requests(self) -> list[str]:
+        """pause_generation(mode="keep"): every open request not parked yet is to leave the core
+        while its stream stays open; returns their ids, for the core to abort. Each is parked
+        once the core's one finished output for its run came (`has_parking` is False then):
+        from there on no token of it is computed anywhere."""
+        ids = [rid for rid in self.request_states if rid not in self._parked and rid not in self._parking]
+        self._parking.update(ids)
+        return ids
+
+    def has_parking(self) -> bool:
+        """Some request frozen by pause(mode="keep") still has its run in the core (the core's
+        finished output for it has not come yet)."""
+        return bool(self._parking)
+
+    def num_parked(self) -> int:
+        return len(self._parked) + len(self._parking)
+
+    def has_unparked_requests(self) -> bool:
+        """Requests that run (or are queued) in the core: neither parked nor parking."""
+        return len(self.request_states) > len(self._parked) + len(self._parking)
+
+    def unpark_requests(self) -> list[EngineCoreRequest]:
+        """resume_generation(): the parked requests, each as the request to send the core to
+        resume where its stream is (prompt + the tokens so far, as after a core restart; by the
+        determinism rule the stream goes on unchanged). Call once `has_parking()` is False."""
+        assert not self._parking, "a parked request's run in the core has not ended yet"
+        states, resend = self.request_states, []
+        for rid in [rid for rid in states if rid in self._parked]:  # arrival order
+            state = states[rid]
+            record, n = state.resume, len(state.generated)
+            if n > record.progress_mark:  # progress since it was last sent: cleared (triage's rule)
+                record = dataclasses.replace(record, progress_mark=n, suspect_streak=0, solo_crashes=0,
+                                             quarantined=False, started=False)
+            else:
+                record = dataclasses.replace(record, started=False)
+            state.resume = record
+            resend.append(record.resubmission(state.generated))
+        self._parked.clear()
+        return resend
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End one open request (not running in the core) with EngineGenerateError(message)."""
+        state = self.request_states.get(request_id)
+        if state is not None:
+            self._fail(state, message, None, [])
 
     def _paced(self, state: RequestState, completion: CompletionOutput) -> CompletionOutput | None:
         """vLLM's stream_interval: the completion to send now, or None to hold it back. A stream
@@ -220,6 +286,9 @@ class OutputProcessor:
 
     def _drop(self, state: RequestState) -> None:
         self.request_states.pop(state.request_id, None)
+        if self._parking or self._parked:
+            self._parking.discard(state.request_id)
+            self._parked.discard(state.request_id)
         parent = state.parent
         if parent is not None:
             parent.child_requests.discard(state.request_id)
@@ -245,9 +314,12 @@ class OutputProcessor:
         return found
 
     def _abort(self, state: RequestState) -> str:
-        """Drop a request the core has not finished; returns its id, for the core to abort."""
+        """Drop a request the core has not finished; returns its id, for the core to abort.
+        A parked one is not in the core: no final output of it will come."""
+        in_core = state.request_id not in self._parked
         self._drop(state)
-        self._expect_final(state.request_id)
+        if in_core:
+            self._expect_final(state.request_id)
         return state.request_id
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:

@@ -2,7 +2,8 @@
 and the OpenAI server (which must know a prompt's length before it builds the request) both
 tokenize, truncate and size-check here, so the two cannot drift apart again.
 
-- `truncation_length`: vLLM's rule for `truncate_prompt_tokens` and its messages.
+- `truncation_length`: vLLM's rule for `truncate_prompt_tokens` and its messages (and, for the
+  OpenAI server, its `truncation_side`: which end of the prompt is kept).
 - `PromptEncoder`: the tokenizer's encode (the Rust encoder directly where it agrees), a text
   that cannot fit refused untokenized, truncation.
 - `off_loop_if_long`: work on a long text runs in a worker thread, so an event loop keeps serving.
@@ -21,27 +22,42 @@ T = TypeVar("T")
 _PROBE_TEXT = "Hello world! 你好 😀 \n  def f(x): return x"
 
 
-def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
-    """The prompt tokens `truncate_prompt_tokens` keeps (its last ones): None (no truncation),
-    -1 (max_model_len) or 1..max_model_len, else ValueError in vLLM's words (SamplingParams'
+class KeepFirst(int):
+    """A `truncation_length` that keeps a prompt's first tokens rather than its last (vLLM's
+    `truncation_side: "right"`): an int, so every bound and comparison reads it as the count."""
+
+    __slots__ = ()
+
+
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int,
+                      truncation_side: str | None = None) -> int | None:
+    """The prompt tokens `truncate_prompt_tokens` keeps: None (no truncation), -1
+    (max_model_len) or 1..max_model_len, else ValueError in vLLM's words (SamplingParams'
     for 0 and below -1; `_validate_truncation_size`'s above max_model_len). Checked before
-    tokenizing, so a bad value costs nothing."""
+    tokenizing, so a bad value costs nothing. Its last tokens are kept, as vLLM's generation
+    tokenizers truncate ("left", also for None); `truncation_side="right"` (the OpenAI server's
+    request field) keeps the first: a KeepFirst."""
+    if truncation_side not in (None, "left", "right"):
+        raise ValueError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
     keep = truncate_prompt_tokens
     if keep is None:
         return None
     if keep == -1:
-        return max_model_len
-    if keep < 1:
+        keep = max_model_len
+    elif keep < 1:
         raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep}")
-    if keep > max_model_len:
+    elif keep > max_model_len:
         raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len})."
                          f" Please, select a smaller truncation size.")
-    return keep
+    return KeepFirst(keep) if truncation_side == "right" else keep
 
 
 def keep_last(ids: list[int], keep: int | None) -> list[int]:
-    """`ids` truncated to their last `keep` (a `truncation_length`; None keeps all)."""
-    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+    """`ids` truncated to `keep` tokens (a `truncation_length`; None keeps all): their last,
+    or their first when `keep` is a KeepFirst (truncation_side "right")."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[:keep] if isinstance(keep, KeepFirst) else ids[-keep:]
 
 
 async def off_loop_if_long(chars: int, fn: Callable[..., T], *args: Any) -> T:
@@ -93,9 +109,10 @@ class PromptEncoder:
 
     def encode(self, text: str, add_special_tokens: bool = True, keep: int | None = None,
                check_fit: bool = True) -> list[int]:
-        """Token ids of `text`, the last `keep` (a `truncation_length`) of them if given. A text
-        that cannot fit is refused before tokenizing (check_fits), unless it is truncated (its
-        end is what is asked for) or `check_fit` is off (counting tokens, as /tokenize does)."""
+        """Token ids of `text`, truncated to `keep` (a `truncation_length`: its last tokens, or
+        its first for a KeepFirst) if given. A text that cannot fit is refused before
+        tokenizing (check_fits), unless it is truncated (a part of it is what is asked for) or
+        `check_fit` is off (counting tokens, as /tokenize does)."""
         if check_fit and keep is None:
             self.check_fits(text)
         return keep_last(list(self.tokenize(text, add_special_tokens)), keep)

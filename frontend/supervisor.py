@@ -119,6 +119,11 @@ class CoreSupervisor:
     def live(self) -> bool:
         return self.state is CoreState.LIVE
 
+    @property
+    def restarting(self) -> bool:
+        """The core is lost and a replacement is due or starting (LOST, RECONNECTING)."""
+        return self.state is CoreState.LOST or self.state is CoreState.RECONNECTING
+
     def check(self) -> None:
         """EngineDeadError once DEAD."""
         if self.error is not None:

@@ -1,7 +1,8 @@
 """The contract between tidal's processes and with its users (no torch here)."""
 from tidal.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, VllmConfig
-from tidal.protocol.errors import EngineDeadError, EngineGenerateError, EngineOverloadedError, InvalidRequestError
+from tidal.protocol.errors import (EngineDeadError, EngineGenerateError, EngineOverloadedError, EngineRestartingError,
+                                   InvalidRequestError)
 from tidal.protocol.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tidal.protocol.structured_outputs import StructuredOutputsParams
@@ -15,6 +16,7 @@ __all__ = [
     "EngineDeadError",
     "EngineGenerateError",
     "EngineOverloadedError",
+    "EngineRestartingError",
     "InvalidRequestError",
     "FlatLogprobs",
     "Logprob",

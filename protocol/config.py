@@ -15,11 +15,13 @@ from typing import Any
 import msgspec
 
 from tidal.protocol.config_views import VllmConfigAttrs
+from tidal.protocol.speculative import SpeculativeConfig
 
 # config.json "architectures" tidal implements (tidal.worker.models.registry maps them to
 # classes); kept here, torch-free, so a front-end rejects a model before starting any process.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
 CORE_RESTART_WINDOW_S = 600.0  # max_core_restarts counts the restarts within this window
 # The most whitespace characters a JSON grammar allows in one gap between tokens ("{", keys,
@@ -169,6 +171,9 @@ class EngineConfig(VllmConfigAttrs):
     # tidal's: a structured-output grammar whose compile runs longer than this fails its
     # request alone (the compile is stopped); the other requests are not held up.
     grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    # vLLM's speculative_config, resolved (tidal.protocol.speculative): n-gram proposals verified
+    # by exact match with the target's own sample, so outputs never change. None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -225,7 +230,8 @@ def model_positions(text_cfg: Mapping[str, Any], disable_sliding_window: bool = 
     serve: max_position_embeddings, stretched by a RoPE scaling that extends the context, as
     vLLM derives it: linear and dynamic multiply it by `factor`, yarn multiplies
     original_max_position_embeddings (else max_position_embeddings) by it. llama3 and longrope
-    configs already state the extended length in max_position_embeddings. With
+    configs already state the extended length in max_position_embeddings, as Gemma 3's do
+    whatever their scaling (vLLM's exception). With
     `disable_sliding_window` a model with sliding layers serves no more than its (smallest)
     window, as in vLLM: past it, full attention is not what the model was trained for."""
     positions = _rope_positions(text_cfg)
@@ -237,8 +243,36 @@ def model_positions(text_cfg: Mapping[str, Any], disable_sliding_window: bool = 
     return positions
 
 
+# transformers' defaults for the fields this module reads, per model_type, where a checkpoint's
+# config.json may leave them out: Gemma 3's multimodal configs state only a few text_config
+# fields (Gemma3TextConfig fills the rest).
+_TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"vocab_size": 262_208, "max_position_embeddings": 131_072, "num_hidden_layers": 26,
+                    "sliding_window": 4096},
+}
+# Model types whose max_position_embeddings already is the context their RoPE scaling extends
+# to (vLLM's exception for Gemma 3: its 128K is the scaled length; multiplying again is wrong).
+_SCALED_MAX_POSITIONS = ("gemma3", "gemma3_text")
+
+
+def text_config_of(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's text part (`text_config` of a multimodal checkpoint, else the whole), with
+    transformers' defaults (_TEXT_CONFIG_DEFAULTS) for the fields it leaves out."""
+    text = raw.get("text_config")
+    text = dict(text) if isinstance(text, Mapping) else dict(raw)
+    if isinstance(raw.get("text_config"), Mapping):
+        if raw.get("model_type") == "gemma3":
+            text.setdefault("model_type", "gemma3_text")
+        text.setdefault("architectures", raw.get("architectures"))
+    for key, value in _TEXT_CONFIG_DEFAULTS.get(str(text.get("model_type")), {}).items():
+        text.setdefault(key, value)
+    return text
+
+
 def _rope_positions(text_cfg: Mapping[str, Any]) -> int:
     max_pos = int(text_cfg.get("max_position_embeddings", 2048))
+    if text_cfg.get("model_type") in _SCALED_MAX_POSITIONS:
+        return max_pos
     scaling = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling")
     if not isinstance(scaling, Mapping):
         return max_pos
@@ -267,7 +301,7 @@ def read_model_limits(model: str, disable_sliding_window: bool = False) -> tuple
         raise FileNotFoundError(f"no config.json in model directory {model!r}")
     with open(path) as f:
         cfg = json.load(f)
-    text_cfg = cfg.get("text_config", cfg)
+    text_cfg = text_config_of(cfg)
     return int(text_cfg["vocab_size"]), model_positions(text_cfg, disable_sliding_window)
 
 
@@ -290,7 +324,7 @@ def check_model(config: EngineConfig) -> None:
         with open(os.path.join(config.model, "config.json")) as f:
             raw = json.load(f)
         archs = raw.get("architectures")
-        model_max = model_positions(raw.get("text_config", raw), config.disable_sliding_window)
+        model_max = model_positions(text_config_of(raw), config.disable_sliding_window)
     except (OSError, ValueError, AttributeError, TypeError):
         return
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):

@@ -1,4 +1,20 @@
 """Errors users catch, named as in vLLM."""
+from typing import Any
+
+
+class VLLMValidationError(ValueError):
+    """vLLM's request-validation error: a ValueError naming the parameter and the value refused
+    (`str()` appends them, as vLLM's does)."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+    def __str__(self) -> str:
+        extras = [f"{k}={v}" for k, v in (("parameter", self.parameter), ("value", self.value)) if v is not None]
+        base = super().__str__()
+        return f"{base} ({', '.join(extras)})" if extras else base
 
 
 class EngineDeadError(RuntimeError):
@@ -6,6 +22,14 @@ class EngineDeadError(RuntimeError):
 
     def __init__(self, message: str = "Engine core is dead; see the log for the original error.") -> None:
         super().__init__(message)
+
+
+class EngineRestartingError(EngineDeadError):
+    """The engine core is gone and a replacement is starting (LOST or RECONNECTING): raised by
+    `AsyncLLM.check_health()` until the new core answers. An EngineDeadError, so a vLLM-style
+    health endpoint (which answers 503 for EngineDeadError) reports the engine unavailable
+    meanwhile; unlike a plain EngineDeadError it passes: the open streams resume, and the
+    next check after the restart succeeds."""
 
 
 class EngineGenerateError(RuntimeError):

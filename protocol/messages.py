@@ -153,6 +153,13 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     num_total_blocks: int = 0
     num_batched_tokens: int = 0  # this step
     num_scheduled_seqs: int = 0  # this step
+    # Speculative decoding (vLLM's SpecDecodingStats names), cumulative: requests given proposals
+    # (one draft per request per step), proposals made, proposals accepted, and how often the
+    # proposal at each position (0..num_speculative_tokens-1) was accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 # What each utility the engine core answers returns, so that a result is decoded precisely.
@@ -223,6 +230,9 @@ class CachedRequestData(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     new_token_ids: list[int]  # tokens appended to the request since the runner last saw it
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Blocks dropped from the tail of its table since the runner last saw it (they held only
+    # rejected speculative rows), removed before new_block_ids are appended.
+    num_dropped_blocks: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
@@ -238,11 +248,17 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # ids[i] may sample (bit t % 32 of word t // 32). Unconstrained rows are not in it.
     structured_output_request_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding (vLLM's name): req_id -> the tokens proposed after its last one. Such a
+    # request's num_scheduled_tokens counts its tokens to compute plus these; it samples every
+    # row from its last token on and returns the tokens up to the first that differs from its
+    # proposal (all of them and one more when none does): see core/spec_decode.py.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class ModelRunnerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     req_ids: list[str] = []  # the scheduled requests, in the runner's batch order
-    # Per request: [] when its chunk stopped short of the prompt's end, else the one new token.
+    # Per request: [] when its chunk stopped short of the prompt's end, else the new token (with
+    # speculative proposals: the accepted ones and the target's next token, in order).
     sampled_token_ids: list[list[int]] = []
     logprobs: dict[str, LogprobsArrays] = {}
     prompt_logprobs: dict[str, LogprobsArrays] = {}

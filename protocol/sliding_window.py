@@ -17,10 +17,16 @@ from typing import Any
 _EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 # Architectures whose HF classes read `use_sliding_window` / `max_window_layers` / `layer_types`.
 _QWEN_STYLE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Architectures whose HF classes interleave local (sliding) and global layers by `layer_types`,
+# else by a fixed pattern: every `pattern`-th layer (1-based) is global. transformers' defaults:
+# Gemma2Config alternates (2); Gemma3TextConfig reads `sliding_window_pattern` (6).
+_INTERLEAVED = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "Gemma3ForConditionalGeneration": 6}
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 # config.json's model_type -> architecture, for configs that name no architectures.
 _BY_MODEL_TYPE = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "gemma3": "Gemma3ForConditionalGeneration"}
 # transformers' Qwen2Config / Qwen3Config default when config.json names no max_window_layers.
 _DEFAULT_MAX_WINDOW_LAYERS = 28
 
@@ -32,6 +38,9 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     ignores `layer_types`). Qwen2/Qwen3: nothing slides unless `use_sliding_window`; then `layer_types`
     when given, else the layers from `max_window_layers` on (the first ones stay full).
     Qwen3-MoE: every layer when `use_sliding_window`. Llama: never (LlamaConfig has no window).
+    Gemma 2 / Gemma 3: the `sliding_attention` layers of `layer_types`, else (a config.json
+    without them) transformers' default pattern: Gemma 2 alternates local / global from a local
+    layer 0, Gemma 3 makes every `sliding_window_pattern`-th layer (default 6) global.
     """
     num_layers = int(config.num_hidden_layers)
     archs = getattr(config, "architectures", None) or []
@@ -40,6 +49,8 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     if not window:
         return [None] * num_layers
     window = int(window)
+    if arch in _INTERLEAVED:
+        return [window if t == "sliding_attention" else None for t in gemma_layer_types(config)]
     if arch in _EVERY_LAYER:
         return [window] * num_layers
     if not getattr(config, "use_sliding_window", False):
@@ -56,6 +67,28 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+def gemma_layer_types(config: Any) -> list[str]:
+    """Per layer "sliding_attention" or "full_attention" for a Gemma 2 / Gemma 3 config: its
+    `layer_types`, or the pattern transformers fills them from (see layer_sliding_windows)."""
+    num_layers = int(config.num_hidden_layers)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        layer_types = list(layer_types)
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types: unsupported layer type(s) {unknown} "
+                             f"(tidal knows {', '.join(_LAYER_TYPES)})")
+        return layer_types
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else _BY_MODEL_TYPE.get(getattr(config, "model_type", ""), "")
+    pattern = _INTERLEAVED.get(arch, 2)
+    if arch != "Gemma2ForCausalLM":  # Gemma2Config has no such field
+        pattern = int(getattr(config, "sliding_window_pattern", None) or pattern)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
 def kv_sliding_window(config: Any) -> int | None:
@@ -77,6 +110,9 @@ def model_kv_sliding_window(model: str) -> int | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
+    if isinstance(data, dict) and isinstance(data.get("text_config"), dict):
+        # A multimodal checkpoint (Gemma3ForConditionalGeneration): its language model's layers.
+        data = {**data["text_config"], "architectures": data.get("architectures")}
     if not isinstance(data, dict) or "num_hidden_layers" not in data:
         return None
     return kv_sliding_window(SimpleNamespace(**data))

@@ -177,7 +177,7 @@ def server_steps(base: str) -> int:
     """Engine steps the server's core has run so far (its iteration-tokens histogram count)."""
     text = httpx.get(base + "/metrics", timeout=30).text
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("tidal:iteration_tokens_total_count")))
+                   if line.startswith("vllm:iteration_tokens_total_count")))
 
 
 def start_server(model: str, port: int, engine_argv: list[str], log: Any,

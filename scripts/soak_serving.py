@@ -168,7 +168,7 @@ async def left_in_core(base: str, timeout_s: float = 30.0) -> tuple[float | None
     async with httpx.AsyncClient(base_url=base, timeout=30) as c:
         while True:
             text = (await c.get("/metrics")).text
-            running, waiting = _gauge(text, "tidal:num_requests_running"), _gauge(text, "tidal:num_requests_waiting")
+            running, waiting = _gauge(text, "vllm:num_requests_running"), _gauge(text, "vllm:num_requests_waiting")
             if (running == 0 and waiting == 0) or time.monotonic() > deadline:
                 return running, waiting
             await asyncio.sleep(0.2)

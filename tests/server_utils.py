@@ -121,10 +121,10 @@ def post_json(url: str, obj: Any, headers: dict[str, str] | None = None) -> tupl
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """`name{labels}` -> value for the tidal: series, and bare `name` -> the sum over its labels."""
+    """`name{labels}` -> value for the vllm: and tidal: series, and bare `name` -> the sum over its labels."""
     values: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("tidal:"):
+        if not line.startswith(("vllm:", "tidal:")):
             continue
         key, _, value = line.rpartition(" ")
         values[key] = float(value)

@@ -345,7 +345,8 @@ async def test_pause_waiting_lets_inflight_requests_finish(engine: AsyncLLM) -> 
     task = asyncio.create_task(collect(engine, "w0", "abc", SamplingParams(max_tokens=300, ignore_eos=True)))
     while engine.get_num_unfinished_requests() == 0:
         await asyncio.sleep(0)
-    await engine.pause_generation(wait_for_inflight_requests=True, clear_cache=False)
+    with pytest.warns(DeprecationWarning, match="wait_for_inflight_requests"):  # vLLM's old spelling of mode="wait"
+        await engine.pause_generation(wait_for_inflight_requests=True, clear_cache=False)
     assert engine.get_num_unfinished_requests() == 0
     outs = await task
     assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 300
@@ -383,7 +384,7 @@ async def test_pause_during_tokenization_holds_the_request(engine: AsyncLLM, mon
     entered, release = await _gated_tokenization(engine, monkeypatch)
     task = asyncio.create_task(collect(engine, "tp", "abc", SamplingParams(max_tokens=4, ignore_eos=True)))
     await asyncio.wait_for(entered.wait(), 10)
-    await engine.pause_generation(wait_for_inflight_requests=True, clear_cache=False)
+    await engine.pause_generation(mode="wait", clear_cache=False)
     release.set()
     for _ in range(20):  # tokenized now, it waits for resume instead of running while paused
         await asyncio.sleep(0)

@@ -5,6 +5,7 @@ import random
 from typing import Any
 
 import pytest
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -83,16 +84,8 @@ def test_multibyte_char_held_back(tokenizer: Any) -> None:
 
 
 def _byte_token(b: int) -> str:
-    # GPT-2 byte-to-unicode table, as the ByteLevel pre-tokenizer uses.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for x in range(256):
-        if x not in bs:
-            bs.append(x)
-            cs.append(256 + n)
-            n += 1
-    return chr(dict(zip(bs, cs))[b])
+    """The GPT-2 byte-to-unicode symbol of byte `b` (what ByteLevel tokens are spelt in)."""
+    return bytes_to_unicode()[b]
 
 
 @pytest.mark.parametrize("cls_name", ["fast", "slow"])

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engine_utils import (
@@ -167,8 +168,16 @@ def _masked_requests() -> dict[str, tuple[EngineCoreRequest, list[str], int]]:
     return {rid: (req(rid, _without(rng, 6), p), words, n) for rid, (p, words, n) in cases.items()}
 
 
+# Logprob values of a request may move by float rounding when it shares its steps with other
+# requests: the extra rows change how its prompt is cut into prefill chunks, and torch's SDPA is
+# not bitwise invariant to the query split on every CPU (seen at ~1e-6 with AVX-512). Its tokens,
+# logprob token ids and ranks must not move at all.
+LOGPROB_ATOL = 1e-5
+
+
 def _assert_same(run: RunResult, reference: RunResult) -> None:
-    """The reference's requests came out of `run` exactly as they did alone."""
+    """The reference's requests came out of `run` as they did alone (logprob values up to
+    rounding, LOGPROB_ATOL)."""
     for rid, ref in reference.results.items():
         got = run[rid]
         assert got.finish_reason == ref.finish_reason and got.tokens == ref.tokens, rid
@@ -176,8 +185,8 @@ def _assert_same(run: RunResult, reference: RunResult) -> None:
             want, have = getattr(ref, name), getattr(got, name)
             assert (want is None) == (have is None), (rid, name)
             if want is not None:
-                assert (have.token_ids == want.token_ids).all() and (have.logprobs == want.logprobs).all(), (rid, name)
-                assert (have.ranks == want.ranks).all(), (rid, name)
+                assert (have.token_ids == want.token_ids).all() and (have.ranks == want.ranks).all(), (rid, name)
+                assert np.abs(have.logprobs - want.logprobs).max(initial=0.0) <= LOGPROB_ATOL, (rid, name)
 
 
 def test_a_row_with_every_token_masked_fails_alone(core: EngineCore) -> None:

@@ -107,7 +107,7 @@ def test_token_counters_count_each_token_once(engine: _Engine) -> None:
     kv_computed = _histogram(m, "vllm:request_prefill_kv_computed_tokens")
     assert kv_computed.sum == 17 - 4
     iteration = _histogram(m, "vllm:iteration_tokens_total")  # the empty step is no step
-    assert (iteration.count, iteration.sum) == (3, 17 + 6)
+    assert (iteration.count, iteration.sum) == (3, 17 - 4 + 6)  # vLLM's: the prompt tokens computed
     # The ITL samples: a at +0.1, +0.1 (two later outputs); b at +0.1 (one later output).
     itl = _histogram(m, "vllm:inter_token_latency_seconds")
     assert itl.count == 3 and itl.sum == pytest.approx(0.3)
@@ -226,21 +226,25 @@ def test_get_metrics_names_labels_and_exposition_prefix(engine: _Engine) -> None
     running = _one(m, "vllm:num_requests_running")
     assert running.labels == {"model_name": "tiny", "engine": "0"}
     assert {r.labels["finished_reason"] for r in _find(m, "vllm:request_success")} == {
-        "stop", "length", "abort", "error"}
+        "stop", "length", "abort", "error", "repetition"}  # vLLM's FINISH_REASON_STRINGS
     ttft = _histogram(m, "vllm:time_to_first_token_seconds")
     assert list(ttft.buckets)[:2] == ["0.001", "0.005"] and list(ttft.buckets)[-1] == "+Inf"
     assert len(_histogram(m, "vllm:request_prompt_tokens").buckets) == len(build_1_2_5_buckets(MAX_MODEL_LEN)) + 1
     text = prometheus_client.generate_latest(engine.metrics.registry).decode()
-    assert 'tidal:prompt_tokens_total{engine="0",model_name="tiny"} 0.0' in text
-    assert 'tidal:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 0.0' in text
-    assert "tidal:time_to_first_token_seconds_bucket" in text
-    assert "vllm:" not in text
+    assert 'vllm:prompt_tokens_total{engine="0",model_name="tiny"} 0.0' in text
+    assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 0.0' in text
+    assert "vllm:time_to_first_token_seconds_bucket" in text
+    # Only what vLLM has no metric for is tidal's, and it is not among vLLM's records.
+    assert {line.split("{")[0] for line in text.splitlines() if line.startswith("tidal:")} == {
+        "tidal:num_core_restarts_total", "tidal:num_core_restarts_created"}
+    assert "vllm:num_core_restarts" not in names
 
 
 def test_prefix_is_configurable() -> None:
-    metrics = EngineMetrics("m", 10, prefix="vllm:", engine_index=2)
+    metrics = EngineMetrics("m", 10, prefix="old:", engine_index=2)
     text = prometheus_client.generate_latest(metrics.registry).decode()
-    assert 'vllm:generation_tokens_total{engine="2",model_name="m"}' in text
+    assert 'old:generation_tokens_total{engine="2",model_name="m"}' in text
+    assert 'tidal:num_core_restarts_total{engine="2",model_name="m"}' in text
     assert _one(metrics.get_metrics(), "vllm:generation_tokens").labels["engine"] == "2"
 
 
@@ -286,9 +290,12 @@ def test_log_line_throughput_over_interval(caplog: pytest.LogCaptureFixture) -> 
 
 def test_maybe_log_and_extra_loggers() -> None:
     class Recorder(StatLoggerBase):
-        def __init__(self) -> None:
+        def __init__(self, vllm_config: object = None, engine_index: int = 0) -> None:
             self.records: list[tuple[SchedulerStats | None, IterationStats | None]] = []
-            self.logs = 0
+            self.logs = self.initialized = 0
+
+        def log_engine_initialized(self) -> None:
+            self.initialized += 1
 
         def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                    mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
@@ -302,7 +309,7 @@ def test_maybe_log_and_extra_loggers() -> None:
     metrics = EngineMetrics("m", 10, log_interval_s=10.0, stat_loggers=[recorder])
     sched, it = SchedulerStats(), IterationStats()
     metrics.record(sched, it)
-    assert len(recorder.records) == 1
+    assert len(recorder.records) == 1 and recorder.initialized == 1
     assert recorder.records[0][0] == sched and vars(recorder.records[0][1]) == vars(it)
     assert not metrics.maybe_log(now=t0 + 9.9)
     assert metrics.maybe_log(now=time.monotonic() + 10.0)
@@ -317,8 +324,11 @@ def test_user_logger_that_mutates_stats_or_raises_cancelled_cannot_break_the_bui
     import asyncio
 
     class Vandal(StatLoggerBase):
-        def __init__(self) -> None:
+        def __init__(self, vllm_config: object = None, engine_index: int = 0) -> None:
             self.kept: list[SchedulerStats] = []
+
+        def log_engine_initialized(self) -> None:
+            raise asyncio.CancelledError
 
         def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                    mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
@@ -337,6 +347,12 @@ def test_user_logger_that_mutates_stats_or_raises_cancelled_cannot_break_the_bui
             raise asyncio.CancelledError
 
     class Canceller(StatLoggerBase):
+        def __init__(self, vllm_config: object = None, engine_index: int = 0) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            raise RuntimeError("bug in a user's log_engine_initialized()")
+
         def record(self, *args: object, **kwargs: object) -> None:
             raise asyncio.CancelledError
 

@@ -143,6 +143,17 @@ class PagedKV:
             hidden = self.model(torch.tensor(ids), torch.tensor(positions))
             return self.model.compute_logits(hidden)[: qsl[-1]]
 
+    def run_spans(self, seqs: dict[int, list[int]], spans: list[tuple[int, int, int]],
+                  got: dict[int, dict[int, torch.Tensor]]) -> None:
+        """One step over (seq, start, end) spans of `seqs`' tokens; each position's logits go
+        to got[seq][position]."""
+        logits = self.step([(s, seqs[s][a:e], a) for s, a, e in spans])
+        row = 0
+        for s, a, e in spans:
+            for p in range(a, e):
+                got[s][p] = logits[row]
+                row += 1
+
     def release(self) -> None:
         for layer in self.model.modules():
             if isinstance(layer, Attention):
@@ -210,13 +221,8 @@ def test_incremental_and_mixed_batch(
     kv = PagedKV(m.model, m.block_size, seed=3)
     got: dict[int, dict[int, torch.Tensor]] = {s: {} for s in seqs}
 
-    def run(chunks: list[tuple[int, int, int]]) -> None:  # (seq, start, end)
-        logits = kv.step([(s, seqs[s][a:e], a) for s, a, e in chunks])
-        row = 0
-        for s, a, e in chunks:
-            for p in range(a, e):
-                got[s][p] = logits[row]
-                row += 1
+    def run(spans: list[tuple[int, int, int]]) -> None:  # (seq, start, end)
+        kv.run_spans(seqs, spans, got)
 
     try:
         run([(1, 0, 11), (2, 0, 5)])  # two prefills
@@ -364,7 +370,8 @@ def test_registry_and_loader_errors(tmp_path: Any, models: dict[str, Loaded]) ->
     from transformers import AutoConfig
 
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                   "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM"}
+                                   "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                   "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"}
     cfg = AutoConfig.from_pretrained(models["qwen3-tied"].path)
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):

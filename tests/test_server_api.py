@@ -215,12 +215,12 @@ def test_metrics_count_exactly_the_tokens_served(server: Server) -> None:
     served_prompt += chat.usage.prompt_tokens
     served_gen += chat.usage.completion_tokens
     after = server.metrics()
-    assert after["tidal:generation_tokens_total"] - before["tidal:generation_tokens_total"] == served_gen
-    assert after["tidal:prompt_tokens_total"] - before["tidal:prompt_tokens_total"] == served_prompt
-    assert after["tidal:num_requests_running"] == 0
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == served_gen
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == served_prompt
+    assert after["vllm:num_requests_running"] == 0
     for name in ("num_requests_waiting", "kv_cache_usage_perc", "request_success_total",
                  "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count"):
-        assert "tidal:" + name in after, name
+        assert "vllm:" + name in after, name
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/curl"), reason="no curl")
@@ -355,5 +355,5 @@ def test_random_request_bodies_never_break_the_server(server: Server) -> None:
         elif body.get("stream") is True:
             assert raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw, where
     assert http_get(server.url + "/health")[0] == 200
-    wait_for(lambda: server.metrics()["tidal:num_requests_running"] == 0, 30, "the core to be idle")
+    wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 0, 30, "the core to be idle")
     assert server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=3).usage.completion_tokens > 0

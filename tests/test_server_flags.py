@@ -42,7 +42,8 @@ def server(tiny_model_dir: str, tidal_cache_dir: str, tmp_path_factory: pytest.T
         "--chat-template-content-format", "openai", "--default-chat-template-kwargs", '{"greeting": "hi"}',
         "--middleware", "tests.server_middleware.add_function_header",
         "--middleware", "tests.server_middleware.AddClassHeader",
-        "--disable-fastapi-docs", "--h11-max-header-count", "64"],  # accepted, change nothing
+        "--disable-fastapi-docs", "--h11-max-header-count", "64",  # accepted, change nothing
+        "--disable-frontend-multiprocessing"],
         tidal_cache_dir)
     yield srv
     srv.stop()
@@ -105,6 +106,31 @@ def test_response_role_content_format_and_template_kwargs(server: Server, tiny_m
     assert plain[-1].usage.completion_tokens == 2
 
 
+def test_vllm_report_flags_off(server: Server) -> None:
+    """Without --enable-prompt-tokens-details, --enable-server-load-tracking and
+    --enable-tokenizer-info-endpoint, as vLLM renders it: usage.prompt_tokens_details null in a
+    whole response and absent from a stream's usage chunk; GET /load 0; no /tokenizer_info. The
+    ORCA report needs no flag (tests/test_server_vllm_routes.py has the flags on)."""
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})):
+        status, out = post_json(server.url + path, {**body, "max_tokens": 2}, AUTH)
+        assert status == 200 and "prompt_tokens_details" in out["usage"], out
+        assert out["usage"]["prompt_tokens_details"] is None
+        streamed = _raw(server, "POST", path, {**AUTH, "Content-Type": "application/json"},
+                        json.dumps({**body, "max_tokens": 2, "stream": True}).encode())
+        events = [line[6:] for line in streamed.text.split("\n\n") if line.startswith("data: ")]
+        closing = json.loads(events[-2])  # --enable-force-include-usage: the usage chunk before [DONE]
+        assert closing["choices"] == [] and closing["usage"]["completion_tokens"] == 2
+        assert "prompt_tokens_details" not in closing["usage"]
+    loaded = _raw(server, "GET", "/load", {})  # open, as /health: load balancers poll it
+    assert loaded.status_code == 200 and loaded.json() == {"server_load": 0}
+    assert _raw(server, "GET", "/tokenizer_info", AUTH).status_code == 404
+    orca = _raw(server, "POST", "/v1/completions", {**AUTH, "Content-Type": "application/json",
+                                                    "endpoint-load-metrics-format": "JSON"},
+                json.dumps({"prompt": "x", "max_tokens": 1}).encode())
+    assert orca.status_code == 200 and orca.headers["endpoint-load-metrics"].startswith("JSON {\"named_metrics\": ")
+
+
 def test_access_log_filter_drops_only_the_listed_paths() -> None:
     from tidal.frontend.entrypoints.openai.server_flags import filter_access_log
 
@@ -156,7 +182,7 @@ def test_logging_config_file_applies_in_every_tidal_process(tmp_path: os.PathLik
 @pytest.mark.parametrize("flags,expected", [
     (["--lora-modules", "a=/tmp/a"], "--lora-modules: tidal does not support LoRA adapters"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "does not support tool calling"),
-    (["--enable-prompt-tokens-details"], "--enable-prompt-tokens-details: tidal does not support"),
+    (["--enable-log-outputs"], "--enable-log-outputs: tidal does not support logging generated outputs"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "7"], "--ssl-cert-reqs 7"),
     (["--middleware", "tests.server_middleware.missing"], "--middleware 'tests.server_middleware.missing'"),

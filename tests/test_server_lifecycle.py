@@ -3,6 +3,8 @@ nothing running in the core; SIGTERM with streams in flight exits within --shutd
 leaves no child process. The null model runner (one token per step) keeps requests long."""
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import threading
 import time
@@ -28,7 +30,7 @@ def server(long_model_dir: str, tidal_cache_dir: str) -> Iterator[Server]:
 
 def _core_idle(srv: Server) -> bool:
     m = srv.metrics()
-    return m["tidal:num_requests_running"] == 0 and m["tidal:num_requests_waiting"] == 0
+    return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -38,7 +40,7 @@ def test_disconnect_mid_stream_aborts_in_core(server: Server, n: int) -> None:
     for got, _chunk in enumerate(stream, 1):
         if got == 5:
             break
-    assert server.metrics()["tidal:num_requests_running"] >= 1  # still generating
+    assert server.metrics()["vllm:num_requests_running"] >= 1  # still generating
     stream.close()  # the client goes away mid-stream
     wait_for(lambda: _core_idle(server), 60, "the core to have no unfinished request")
 
@@ -50,6 +52,35 @@ def test_disconnect_while_waiting_for_a_whole_response(server: Server) -> None:
         client.completions.create(model=server_model(server), prompt="Hello", max_tokens=LONG,
                                   extra_body={"ignore_eos": True})
     wait_for(lambda: _core_idle(server), 60, "the core to have no unfinished request")
+
+
+def test_storm_of_abandoned_requests_leaves_nothing_behind(server: Server) -> None:
+    """40 requests (streamed and not) whose clients close their connections 0.3 s after
+    sending, without reading: every one is dropped from the core, and the next request gets
+    its whole answer (scripts/bench_abandoned.py times it against an idle server)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    model = server_model(server)
+
+    async def abandoned(i: int) -> None:
+        body = json.dumps({"model": model, "prompt": f"storm {i}", "max_tokens": LONG, "stream": i % 2 == 0,
+                           "ignore_eos": True}).encode()
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 30)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), 10)
+
+    async def storm() -> None:
+        await asyncio.gather(*(abandoned(i) for i in range(40)))
+
+    asyncio.run(storm())
+    wait_for(lambda: _core_idle(server), 60, "the core to drop every abandoned request")
+    out = server.client().completions.create(model=model, prompt="fresh", max_tokens=8,
+                                             extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    assert _core_idle(server)
 
 
 def server_model(server: Server) -> str:

@@ -74,9 +74,13 @@ def test_explicit_nulls_take_vllms_defaults(server: Server) -> None:
 
 
 def test_stream_options(server: Server) -> None:
-    # {} means the defaults: include_usage true; without stream, {} is no option at all (vLLM)
+    # {} means the defaults, include_usage false (vLLM's StreamOptions): no usage chunk; without
+    # stream, {} is no option at all (vLLM)
     assert post(server, "/v1/completions", {"prompt": [5], "max_tokens": 1, "stream_options": {}})["choices"]
     events = stream_events(server, "/v1/completions", {"prompt": [5], "max_tokens": 3, "stream_options": {}})
+    assert all(e["choices"] and e.get("usage") is None for e in events)
+    events = stream_events(server, "/v1/completions", {"prompt": [5], "max_tokens": 3, "ignore_eos": True,
+                                                       "stream_options": {"include_usage": True}})
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
     assert all(e["usage"] is None for e in events[:-1])
     # continuous_usage_stats: every chunk carries its choice's usage so far
@@ -90,9 +94,14 @@ def test_stream_options(server: Server) -> None:
         assert e["usage"]["completion_tokens"] > seen[choice["index"]]  # one token or more per chunk
         seen[choice["index"]] = e["usage"]["completion_tokens"]
     assert seen == {0: 4, 1: 4} and events[-1]["usage"]["completion_tokens"] == 8
+    # continuous_usage_stats counts only along with include_usage (vLLM's should_include_usage)
     events = stream_events(server, "/v1/chat/completions", {
         "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True,
         "stream_options": {"continuous_usage_stats": True}})
+    assert all(e.get("usage") is None for e in events)
+    events = stream_events(server, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     assert [e["usage"]["completion_tokens"] for e in events[:-1]][-1] == 3
     assert events[0]["usage"]["completion_tokens"] == 0  # the role chunk
 
@@ -125,7 +134,7 @@ def test_return_token_ids(server: Server) -> None:
     # n = 2, with continuous usage: every choice's role chunk has the prompt's ids and the usage
     events = stream_events(server, "/v1/chat/completions", {
         "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "n": 2, "return_token_ids": True,
-        "stream_options": {"continuous_usage_stats": True}})
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     roles = [e for e in events if e["choices"] and "role" in e["choices"][0]["delta"]]
     assert sorted(e["choices"][0]["index"] for e in roles) == [0, 1]
     assert all(e["prompt_token_ids"] == out["prompt_token_ids"] and e["usage"]["completion_tokens"] == 0
@@ -231,9 +240,9 @@ def test_cache_salt_isolates_prefix_cache_hits(server: Server) -> None:
     ids = list(range(300, 340))  # 2 full blocks of 16 can hit (the last token is recomputed)
 
     def hits_after(body: dict[str, Any]) -> float:
-        before = parse_metrics(http_get(server.url + "/metrics")[1].decode())["tidal:prefix_cache_hits_total"]
+        before = parse_metrics(http_get(server.url + "/metrics")[1].decode())["vllm:prefix_cache_hits_total"]
         post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, **body})
-        return parse_metrics(http_get(server.url + "/metrics")[1].decode())["tidal:prefix_cache_hits_total"] - before
+        return parse_metrics(http_get(server.url + "/metrics")[1].decode())["vllm:prefix_cache_hits_total"] - before
 
     assert hits_after({"cache_salt": "tenant-a"}) == 0
     assert hits_after({"cache_salt": "tenant-a", "n": 2}) == 64  # both children hit: n > 1 keeps the salt

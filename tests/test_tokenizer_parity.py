@@ -53,7 +53,9 @@ TEXTS = [
 # Model type (config.json) -> make_model arch.
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-         "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3"}
+         "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
+         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+         "Gemma3ForConditionalGeneration": "gemma3"}  # its language model is gemma3's
 SP_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
@@ -119,7 +121,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
     dirs: dict[str, str] = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDAL_CACHE_DIR", tidal_cache_dir)  # the session's trained byte-level BPE
-        for arch in ARCHS.values():
+        for arch in sorted(set(ARCHS.values())):
             dirs[arch] = make_model(str(root / arch), arch=arch, vocab_size=512, hidden_size=32,
                                     num_layers=1, num_heads=2, num_kv_heads=1)
     sp_json = str(root / "sentencepiece.json")
@@ -144,6 +146,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
           lambda c: c.update(tokenizer_class="Qwen2Tokenizer"))
     # Phi-3 ships Llama 2's sentencepiece tokenizer under LlamaTokenizer, add_bos_token false.
     _sentencepiece_variant(variant("phi3-sentencepiece", "phi3"), sp_json, "LlamaTokenizer", False)
+    # Gemma 2 and 3 declare GemmaTokenizer (sentencepiece, BOS added).
+    _sentencepiece_variant(variant("gemma2-sentencepiece", "gemma2"), sp_json, "GemmaTokenizer", True)
+    _sentencepiece_variant(variant("gemma3-sentencepiece", "gemma3"), sp_json, "GemmaTokenizer", True)
     # qwen2 as make_model writes it is the reported case (Qwen2Tokenizer splits every digit).
     _edit(variant("qwen3-qwen2-class", "qwen3"), "tokenizer_config.json",
           lambda c: c.update(tokenizer_class="Qwen2Tokenizer"))
@@ -154,7 +159,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tidal_cache_dir: str,
 
 NAMES = ["llama", "llama-sentencepiece", "llama-cleanup", "mistral", "mistral-sentencepiece", "qwen2",
          "qwen3", "qwen3-qwen2-class", "qwen3-split-special", "mixtral", "mixtral-sentencepiece", "qwen3_moe",
-         "qwen3_moe-qwen2-class", "phi3", "phi3-sentencepiece"]
+         "qwen3_moe-qwen2-class", "phi3", "phi3-sentencepiece", "gemma2", "gemma2-sentencepiece", "gemma3",
+         "gemma3-sentencepiece"]
 
 
 @pytest.fixture(scope="module")

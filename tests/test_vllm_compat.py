@@ -246,3 +246,56 @@ def test_sampling_params_positional_order_is_vllms() -> None:
     p = SamplingParams(*values)
     assert tuple(getattr(p, name) for name in VLLM_POSITIONAL) == values
     assert SamplingParams(4, temperature=0.6).n == 4  # the form seen in users' code
+
+
+def test_generate_priority_forms_are_vllms(tiny_model_dir: str) -> None:
+    """vLLM's tests/entrypoints/llm/test_generate.py::test_multiple_priority: one int for every
+    prompt or one per prompt; a list of another length is a VLLMValidationError (a ValueError
+    naming the parameter), as is a sampling-params list of another length."""
+    from tidal import LLM, SamplingParams
+    from tidal.exceptions import VLLMValidationError
+
+    prompts = ["a b", "c d", "e f"]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with LLM(model=tiny_model_dir, max_model_len=128, num_kv_blocks=32, scheduling_policy="priority") as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        for priority in (None, 1, [0, 1, 2]):
+            outs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
+            assert [o.outputs[0].token_ids for o in outs] == reference
+        assert len(llm.generate(prompts[0], params, use_tqdm=False, priority=1)) == 1
+        for bad in ([0, 0], []):
+            with pytest.raises(VLLMValidationError, match="priorities for 3 prompts") as info:
+                llm.generate(prompts, params, use_tqdm=False, priority=bad)
+            assert info.value.parameter == "priority" and isinstance(info.value, ValueError)
+        with pytest.raises(VLLMValidationError, match="2 sampling params for 3 prompts"):
+            llm.generate(prompts, [params, params], use_tqdm=False)
+
+
+def test_vllm_module_paths_and_cli_parser(tiny_model_dir: str) -> None:
+    """vLLM's import paths its own tests use (vllm.config, vllm.usage.usage_lib,
+    vllm.utils.argparse_utils, vllm.transformers_utils.tokenizer, vllm.version,
+    vllm.v1.engine.exceptions), and vLLM's parser taking underscore flags: what
+    tests/v1/engine/test_engine_args.py::test_prefix_caching_from_cli does."""
+    from transformers import AutoTokenizer
+
+    import tidal
+    from tidal.config import VllmConfig
+    from tidal.engine.arg_utils import EngineArgs
+    from tidal.protocol import EngineDeadError
+    from tidal.transformers_utils.tokenizer import get_tokenizer
+    from tidal.usage.usage_lib import UsageContext
+    from tidal.utils.argparse_utils import FlexibleArgumentParser
+    from tidal.v1.engine.exceptions import EngineDeadError as ShimDead
+    from tidal.version import __version__
+
+    assert ShimDead is EngineDeadError and __version__ == tidal.__version__
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    config = EngineArgs.from_cli_args(parser.parse_args([])).replace(model=tiny_model_dir).create_engine_config(
+        UsageContext.LLM_CLASS)
+    assert isinstance(config, VllmConfig) and config.cache_config.enable_prefix_caching
+    args = parser.parse_args(["--no-enable-prefix-caching", "--max_model_len=96", "--block_size", "32"])
+    config = EngineArgs.from_cli_args(args).replace(model=tiny_model_dir).create_engine_config()
+    assert (config.cache_config.enable_prefix_caching, config.max_model_len, config.cache_config.block_size) == (
+        False, 96, 32)
+    text = "def f(x): return x + 1"
+    assert get_tokenizer(tiny_model_dir).encode(text) == AutoTokenizer.from_pretrained(tiny_model_dir).encode(text)

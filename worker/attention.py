@@ -24,11 +24,15 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 (or None), got {logits_soft_cap}")
         self.sliding_window = sliding_window  # None: full attention
+        # vLLM's name: scores s -> cap * tanh(s / cap) before the softmax (Gemma 2); None: none.
+        self.logits_soft_cap = logits_soft_cap
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -48,15 +52,16 @@ class Attention(nn.Module):
         metadata = get_forward_context()
         if metadata is None or self.k_cache.numel() == 0:
             # Dummy/profile run: the whole input is one causal sequence, nothing is cached.
-            out = causal_attention(q, k, v, self.scale, self.sliding_window)
+            out = causal_attention(q, k, v, self.scale, self.sliding_window, self.logits_soft_cap)
         else:
             if self.backend is None:
                 self.backend = attention_backend_for(self.k_cache.device)
             out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale,
-                                       self.sliding_window)
+                                       self.sliding_window, softcap=self.logits_soft_cap)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap}"
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"scale={self.scale:.4g}{window}")
+                f"scale={self.scale:.4g}{window}{cap}")

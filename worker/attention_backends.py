@@ -25,10 +25,14 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Write k/v into the caches at metadata.slot_mapping, then attend: each query at
         position i over its sequence's positions (i - sliding_window, i] (all of [0, i] when
-        None). Positions before a sliding window are never read: their blocks may be freed."""
+        None). Positions before a sliding window are never read: their blocks may be freed.
+        softcap (Gemma 2's attn_logit_softcapping; None: none): every scaled score s becomes
+        softcap * tanh(s / softcap) before the mask and softmax. Every backend implements it
+        (a backend that could not would have to hand the call to one that can, never drop it)."""
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")

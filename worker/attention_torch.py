@@ -16,31 +16,66 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Plain causal attention over one sequence: q [T, H, D], k/v [T, KVH, D] -> [T, H, D],
-    limited to the last `window` positions when given."""
+    limited to the last `window` positions when given, scores soft-capped when `softcap` is."""
     mask = None
     if window is not None and q.shape[0] > window:
         pos = torch.arange(q.shape[0], device=q.device)
         mask = visible_mask(pos, pos, window)
-    return _sdpa_one_sequence(q, k, v, scale, mask=mask)
+    return _sdpa_one_sequence(q, k, v, scale, mask=mask, softcap=softcap)
+
+
+# Bound on the scores one soft-capped attention call materializes (query rows x heads x keys):
+# 16M float32 values, 64 MiB; longer prefills are cut into query chunks.
+SOFTCAP_MAX_SCORES = 1 << 24
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
+                         mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """Attention with logit soft-capping, which SDPA cannot do: q [..., Lq, D] over k/v
+    [..., Lk, D] (batch dims broadcast), mask [..., Lq, Lk] bool (True = may attend) or None;
+    `causal` (with mask None): query i sees keys <= i (Lq == Lk). transformers' eager order: the
+    scaled scores s become softcap * tanh(s / softcap), then the mask, then a float32 softmax
+    cast back to q's dtype. Cut into query chunks so the scores stay bounded."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    per_row = max(1, q[..., :1, :1].numel() * lk)  # batch x heads x keys per query row
+    chunk = max(1, SOFTCAP_MAX_SCORES // per_row)
+    kt = k.transpose(-1, -2)
+    outs = []
+    for start in range(0, lq, chunk):
+        end = min(lq, start + chunk)
+        scores = torch.matmul(q[..., start:end, :], kt) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        rows = None
+        if mask is not None:  # a mask may broadcast over the query rows (size 1 there)
+            rows = mask if mask.shape[-2] == 1 else mask[..., start:end, :]
+        elif causal:
+            rows = (torch.arange(lk, device=q.device)[None, :]
+                    <= torch.arange(start, end, device=q.device)[:, None])
+        if rows is not None:
+            scores = scores.masked_fill(~rows, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        outs.append(torch.matmul(probs, v))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def _sdpa_one_sequence(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] over k/v [S, KVH, D] -> [T, H, D]; causal when mask is None, else mask
     [T, S] (True = may attend). Inputs go in as 4-D: for 3-D ones CPU SDPA takes its math path,
-    measured 1.5x slower than the flash kernel it picks for 4-D."""
+    measured 1.5x slower than the flash kernel it picks for 4-D. With `softcap`, the scores are
+    soft-capped (softcapped_attention: SDPA has no such option)."""
     groups = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        _expand_kv(k.transpose(0, 1), groups).unsqueeze(0),
-        _expand_kv(v.transpose(0, 1), groups).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-    )
+    q4 = q.transpose(0, 1).unsqueeze(0)
+    k4 = _expand_kv(k.transpose(0, 1), groups).unsqueeze(0)
+    v4 = _expand_kv(v.transpose(0, 1), groups).unsqueeze(0)
+    if softcap:
+        out = softcapped_attention(q4, k4, v4, scale, softcap, mask, causal=mask is None)
+    else:
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out[0].transpose(0, 1)
 
 
@@ -50,25 +85,26 @@ class TorchAttentionBackend(AttentionBackend):
     Decodes share one SDPA call (per bounded group): their contexts are gathered from the cache
     into one padded [B, KVH, L, D] tensor, and the query heads of each kv group become query rows
     ([B, KVH, H/KVH, D]), so GQA needs no K/V expansion. Only prefill chunks are looped over.
+    A logit soft cap (Gemma 2) runs the same gathers through softcapped_attention instead of SDPA.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         self._write_cache(k, v, flat_k, flat_v, metadata)
         out = q.new_empty(q.shape)
         if metadata.decode_seqs:
-            out = self._decode(q, k_cache, v_cache, metadata, scale, out, sliding_window)
+            out = self._decode(q, k_cache, v_cache, metadata, scale, out, sliding_window, softcap)
         for span in metadata.prefill_spans(sliding_window):
-            self._prefill(q, k, v, flat_k, flat_v, span, scale, out)
+            self._prefill(q, k, v, flat_k, flat_v, span, scale, out, softcap)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, out: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Attention of every decode token; fills its rows of out and returns out (or, for a
         pure-decode batch, may return a new tensor instead)."""
         num_tokens, num_heads = q.shape[0], q.shape[1]
@@ -80,13 +116,13 @@ class TorchAttentionBackend(AttentionBackend):
             # .to: a half cache under float32 compute (a no-op when the dtypes match)
             k_dec = k_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim).to(q.dtype)
             v_dec = v_cache.index_select(0, group.kv_blocks).view(n, length, num_kv_heads, head_dim).to(q.dtype)
-            o_dec = F.scaled_dot_product_attention(
-                q_dec.view(n, num_kv_heads, q_per_kv, head_dim),
-                k_dec.transpose(1, 2),
-                v_dec.transpose(1, 2),
-                attn_mask=group.mask,
-                scale=scale,
-            ).reshape(n, num_heads, head_dim)
+            q_grouped = q_dec.view(n, num_kv_heads, q_per_kv, head_dim)
+            k_t, v_t = k_dec.transpose(1, 2), v_dec.transpose(1, 2)
+            if softcap:
+                o_dec = softcapped_attention(q_grouped, k_t, v_t, scale, softcap, group.mask)
+            else:
+                o_dec = F.scaled_dot_product_attention(q_grouped, k_t, v_t, attn_mask=group.mask, scale=scale)
+            o_dec = o_dec.reshape(n, num_heads, head_dim)
             if n == num_tokens:
                 return o_dec  # pure decode batch: nothing to scatter
             if idx is None:
@@ -97,14 +133,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
-                 span: PrefillSpan, scale: float, out: torch.Tensor) -> None:
+                 span: PrefillSpan, scale: float, out: torch.Tensor, softcap: float | None = None) -> None:
         s, e = span.q_start, span.q_end
         if span.kv_slots is None:
             k_i, v_i = k[s:e], v[s:e]
         else:
             k_i = flat_k.index_select(0, span.kv_slots).to(q.dtype)
             v_i = flat_v.index_select(0, span.kv_slots).to(q.dtype)
-        out[s:e] = _sdpa_one_sequence(q[s:e], k_i, v_i, scale, span.mask)
+        out[s:e] = _sdpa_one_sequence(q[s:e], k_i, v_i, scale, span.mask, softcap)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                      metadata: AttentionMetadata) -> None:

@@ -80,18 +80,31 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-# num_seqs only bounds the sequence search and window only bounds the kv range: specializing
-# on them (== 1, % 16) would compile two or three copies of the kernel per configuration for
-# nothing.
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+LOG2E = 1.4426950408889634  # the host's copy (a jit function reads literals only)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp of a non-positive argument: no overflow for any x (libdevice's tanh is
+    CUDA-only, and the interpreter must run this too)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x >= 0, y, -y)
+
+
+# num_seqs only bounds the sequence search, window only bounds the kv range and softcap is a
+# plain multiplier: specializing on them (== 1, % 16) would compile two or three copies of the
+# kernel per configuration for nothing.
+@triton.jit(do_not_specialize=["num_seqs", "window", "softcap"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, qk_scale, window,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Grid (q blocks, kv heads, NUM_SPLITS). Row m of a program is token
     m // Q_PER_KV of its q block, query head kv_head * Q_PER_KV + m % Q_PER_KV. qk_scale is
@@ -99,7 +112,9 @@ def _attention_kernel(
     normalized output; otherwise its partial (max, sum, acc) for the reduce kernel. tl.dot
     operands are DOT_DTYPE (q's dtype, see _dot_dtype); it always accumulates in fp32.
     window: a row at position p sees positions (p - window, p]; NO_WINDOW (larger than any
-    context) for full attention. Positions no row of the program sees are never loaded."""
+    context) for full attention. Positions no row of the program sees are never loaded.
+    SOFTCAP (Gemma 2's attn_logit_softcapping): qk_scale is then the plain scale, and each
+    score s becomes softcap * tanh(s / softcap) (then times log2(e)) before the mask."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,6 +168,8 @@ def _attention_kernel(
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         # A half cache under fp32 compute is widened on read (the cache may differ from q).
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap) * 1.4426950408889634  # log2(e)
         row_pos = context_len + q_pos[:, None]
         visible = ((offs_n[None, :] <= row_pos) & (offs_n[None, :] > row_pos - window)
                    & n_ok[None, :] & row_ok[:, None])
@@ -283,7 +300,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         if q.device.type == "cpu" and not isinstance(_attention_kernel, InterpretedFunction):
             raise RuntimeError(
                 "TritonAttentionBackend got CPU tensors: Triton runs on CPU only under the interpreter; "
@@ -314,12 +331,12 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if metadata.num_seqs == 0 or metadata.num_tokens == 0:
             return out
-        self._attend(q, k_cache, v_cache, out, metadata, scale, head_pad, dot_dtype, sliding_window)
+        self._attend(q, k_cache, v_cache, out, metadata, scale, head_pad, dot_dtype, sliding_window, softcap)
         return out
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, head_pad: int, dot_dtype: tl.dtype,
-                window: int | None) -> None:
+                window: int | None, softcap: float | None = None) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
         q_per_kv = num_heads // num_kv_heads
@@ -345,13 +362,14 @@ class TritonAttentionBackend(AttentionBackend):
         _attention_kernel[(num_q_blocks, num_kv_heads, splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc,
             metadata.device_query_start_loc(), metadata.device_seq_lens(), metadata.block_tables,
-            metadata.num_seqs, scale * 1.4426950408889634, NO_WINDOW if window is None else window,
+            metadata.num_seqs, scale if softcap else scale * LOG2E, NO_WINDOW if window is None else window,
+            float(softcap or 0.0),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
             NUM_HEADS=num_heads, Q_PER_KV=q_per_kv, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             NUM_SPLITS=splits, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-            num_warps=8 if block_m >= 32 else 4, num_stages=2)
+            SOFTCAP=bool(softcap), num_warps=8 if block_m >= 32 else 4, num_stages=2)
         if splits > 1:
             _reduce_splits_kernel[(metadata.num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),

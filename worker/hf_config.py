@@ -55,4 +55,23 @@ def load_hf_config(model: str, *, allow_plain: bool = True) -> Any:
             return plain
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model)
+    return language_model_config(AutoConfig.from_pretrained(model))
+
+
+# Multimodal architectures tidal serves text-only: their language model's config is the one the
+# worker reads (the model class loads the text weights and skips the vision tower's).
+_TEXT_ONLY = ("Gemma3ForConditionalGeneration",)
+
+
+def language_model_config(config: Any) -> Any:
+    """`config` itself, or for a multimodal checkpoint served text-only (_TEXT_ONLY) its
+    text_config, naming the checkpoint's architecture and dtype (which only the outer config
+    states) so that the registry, the loader and the dtype rule see what config.json says."""
+    archs = list(getattr(config, "architectures", None) or [])
+    text = getattr(config, "text_config", None)
+    if text is None or not any(a in _TEXT_ONLY for a in archs):
+        return config
+    text.architectures = archs
+    if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    return text

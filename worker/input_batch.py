@@ -200,6 +200,16 @@ class InputBatch:
         if self.separate:
             self._dirty[row] = None
 
+    def truncate_blocks(self, row: int, num_blocks: int) -> None:
+        """Keep the first `num_blocks` blocks of `row` (the rest held only rejected speculative
+        rows and went back to the pool)."""
+        if num_blocks >= self.row_blocks[row]:
+            return
+        self.table[row, num_blocks: self.row_blocks[row]] = 0
+        self.row_blocks[row] = num_blocks
+        if self.separate:
+            self._dirty[row] = None
+
     def remove_request(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:

@@ -33,7 +33,8 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 # Dummy weights: uniform with the std of a 0.02 normal (what HF checkpoints are initialized
-# with), norms at 1. Keeps activations finite in bf16/fp16 even at 8B scale.
+# with), norms at a scale of 1 (weight 1; Gemma's 1 + weight norms: 0, their `dummy_weight`).
+# Keeps activations finite in bf16/fp16 even at 8B scale.
 _DUMMY_STD = 0.02
 
 
@@ -110,9 +111,11 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, LoadedWeight]]:
 def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     bound = _DUMMY_STD * 3**0.5
     generators: dict[torch.device, torch.Generator] = {}
+    fills = {id(mod.weight): float(mod.dummy_weight) for mod in model.modules()
+             if hasattr(mod, "dummy_weight") and isinstance(getattr(mod, "weight", None), torch.Tensor)}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+        if id(param) in fills or name.endswith("norm.weight"):
+            param.fill_(fills.get(id(param), 1.0))
             continue
         gen = generators.get(param.device)
         if gen is None:

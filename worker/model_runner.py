@@ -10,6 +10,12 @@ row while it is in the runner's state, and a step fills buffer prefixes (no per-
 allocation; on CUDA pinned staging and non-blocking copies, so the only host sync of a step is
 reading the sampled ids). On CUDA, decode-only steps replay captured graphs
 (worker/cuda_graphs.py, `capture_cuda_graphs`); everything else runs eagerly.
+
+Speculative decoding (core/spec_decode.py): a request with proposals
+(`SchedulerOutput.scheduled_spec_decode_tokens`) computes its last token and the proposals as
+query rows; every one of those rows goes through the LM head and is sampled, and the request
+returns the verified tokens (worker/spec_decode.py). The proposals never enter the runner's
+token state: the accepted ones come back as `new_token_ids` like any sampled token.
 """
 from __future__ import annotations
 
@@ -64,6 +70,14 @@ class _Batch:
     grammar_bitmask: np.ndarray | None = None
     graph_size: int | None = None  # the captured CUDA graph this step replays (padded size)
     num_tokens: int = 0
+    # Speculative decoding: batch index -> the proposals it verifies. Each sampling request
+    # has 1 + len(proposals) consecutive sampling rows (worker/spec_decode.row_layout).
+    spec: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_sample_logits(self) -> int:
+        """Logits rows of the sampling requests (one each, plus one per proposal)."""
+        return len(self.sample_rows) + sum(len(d) for d in self.spec.values())
 
 
 # Defaults of the sizes the persistent buffers are allocated for, when the constructor is not
@@ -169,6 +183,13 @@ class ModelRunner(StepSampling):
         for c in so.scheduled_cached_reqs:
             st = reqs[c.req_id]
             st.token_ids.extend(c.new_token_ids)
+            if c.num_dropped_blocks:  # blocks that held only rejected speculative rows
+                keep = len(st.block_ids) - c.num_dropped_blocks
+                if keep < 0:
+                    raise ValueError(f"request {c.req_id!r}: {c.num_dropped_blocks} blocks dropped, "
+                                     f"{len(st.block_ids)} held")
+                ib.truncate_blocks(st.row, keep)
+                del st.block_ids[keep:]
             if c.new_block_ids:
                 ib.append_blocks(st.row, c.new_block_ids)
                 st.block_ids.extend(c.new_block_ids)
@@ -185,6 +206,8 @@ class ModelRunner(StepSampling):
         decode_slots: list[int] = []  # used when every sequence decodes (one token each)
         sample_rows: list[int] = []
         prompt_lp_reqs: list[int] = []
+        spec_tokens = so.scheduled_spec_decode_tokens
+        spec: dict[int, list[int]] = {}
         for i, rid in enumerate(req_ids):
             st = reqs[rid]
             n = num_scheduled[i]
@@ -193,7 +216,15 @@ class ModelRunner(StepSampling):
             rows.append(st.row)
             starts.append(start)
             token_ids = st.token_ids
-            if n == 1:  # a decode: plain ints, no per-row numpy
+            drafts = spec_tokens.get(rid) if spec_tokens else None
+            if drafts:  # its last token(s), then the proposals it verifies
+                if end != len(token_ids) + len(drafts):
+                    raise ValueError(f"request {rid!r}: {n} tokens scheduled from {start} with "
+                                     f"{len(drafts)} proposals, but it has {len(token_ids)} tokens")
+                tokens.extend(token_ids[start:])
+                tokens.extend(drafts)
+                spec[i] = drafts
+            elif n == 1:  # a decode: plain ints, no per-row numpy
                 tokens.append(token_ids[start])
                 decode_slots.append(st.block_ids[start // bs] * bs + start % bs)
             else:
@@ -222,7 +253,12 @@ class ModelRunner(StepSampling):
         if prompt_lp or len(sample_rows) != num_tokens:
             # (len(sample_rows) == num_tokens means every token is the last of its sequence
             # and samples: the LM head takes the hidden states as they are.)
-            index = np.asarray(qsl[1:], dtype=np.int64)[sample_rows] - 1
+            if spec:  # a request verifying proposals samples its last 1 + len(proposals) rows
+                index = np.asarray([r for i in sample_rows
+                                    for r in range(qsl[i + 1] - 1 - len(spec.get(i, ())), qsl[i + 1])],
+                                   dtype=np.int64)
+            else:
+                index = np.asarray(qsl[1:], dtype=np.int64)[sample_rows] - 1
             if prompt_lp:
                 index = np.concatenate([index] + [np.arange(first, first + n, dtype=np.int64)
                                                   for _, first, n, _ in prompt_lp])
@@ -237,7 +273,7 @@ class ModelRunner(StepSampling):
         return _Batch(
             req_ids, step.input_ids, step.positions, metadata, sample_rows, logits_index, prompt_lp,
             {rid: i for i, rid in enumerate(so.structured_output_request_ids)}, so.grammar_bitmask,
-            graph_size, num_tokens)
+            graph_size, num_tokens, spec)
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -267,8 +303,9 @@ class ModelRunner(StepSampling):
         logits = logits.float() if logits is not None else None
         out = ModelRunnerOutput(req_ids=batch.req_ids, forward_time_s=forward_time)
         out.sampled_token_ids = [[] for _ in batch.req_ids]
+        num_sample = batch.num_sample_logits
         if batch.sample_rows:
-            self._sample_isolating(batch, logits[: len(batch.sample_rows)], out)
+            self._sample_isolating(batch, logits[:num_sample], out)
         if batch.prompt_lp:
-            self._prompt_logprobs(batch, logits[len(batch.sample_rows):], out)
+            self._prompt_logprobs(batch, logits[num_sample:], out)
         return out

@@ -12,6 +12,11 @@ others, whose results are those of an undisturbed run):
 
 When every row (or every prompt-logprob request) of a step fails on its own, and there is more
 than one, no single request explains it (device, bug): that is raised, for the engine.
+
+Speculative decoding: a request verifying k proposals has k + 1 consecutive sampling rows
+(worker/spec_decode.py): row j is sampled at position len(tokens) + j with the proposals
+before it as history, and the request gets `verify`'s tokens, their logprobs one row each.
+A row left with no token cuts the run there (the request fails if it is the first).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from tidal.worker.block_ops import argmax
 from tidal.worker.logits_processors import (NO_TOKEN, apply_token_bitmask, argmax_is_masked, every_token_masked,
                                             needs_output_history)
 from tidal.worker.sampler import Sampler, SamplingMetadata
+from tidal.worker.spec_decode import row_layout, verify
 
 if TYPE_CHECKING:
     from tidal.worker.model_runner import CachedRequestState, _Batch
@@ -57,51 +63,82 @@ class StepSampling:
     logprobs_mode: str
 
     def _sample(self, batch: _Batch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        # Speculative rows (None: one row per request, the plain layout).
+        layout = row_layout(batch.sample_rows, batch.spec) if batch.spec else None
         if batch.grammar_rows:
             # First, so that everything after (greedy argmax, sampling, the logprobs reported)
             # sees the masked distribution, as in vLLM.
-            self._apply_grammar_bitmask(batch, logits)
+            self._apply_grammar_bitmask(batch, logits, None if layout is None else layout[0])
         states = [self.requests[batch.req_ids[i]] for i in batch.sample_rows]
         if all(_plain_greedy(st.sampling_params) for st in states):
             # Nothing but an argmax to do: skip building the per-row sampling tensors.
             tokens = argmax(logits)
             if batch.grammar_rows:  # a grammar's bitmask is the only mask such rows can have
                 tokens = tokens.masked_fill(argmax_is_masked(logits, tokens), NO_TOKEN)
-            self._take_tokens(batch, states, tokens.tolist(), out)
+            self._take_tokens(batch, states, self._emitted(batch, tokens.tolist(), layout), out)
             return
         # Token histories are copied only for rows whose sampling reads them (penalties,
         # min_tokens): the copy grows with the sequence and would run every step for every row.
         empty: list[int] = []
+        params = [st.sampling_params for st in states]
+        prompts = [st.token_ids[: st.num_prompt_tokens] if st.sampling_params.repetition_penalty != 1.0 else empty
+                   for st in states]
+        outputs = [st.token_ids[st.num_prompt_tokens:] if _reads_outputs(st.sampling_params) else empty
+                   for st in states]
+        positions = [len(st.token_ids) for st in states]
+        eos = [st.eos_token_id for st in states]
+        grammar = [row for row, i in enumerate(batch.sample_rows) if batch.req_ids[i] in batch.grammar_rows]
+        if layout is not None:  # row j of a request: position + j, its proposals before j as history
+            firsts, counts = layout
+            grammar = [firsts[row] for row in grammar]
+            rows = [(r, j) for r, c in enumerate(counts) for j in range(c)]
+            drafts = [batch.spec.get(i, empty) for i in batch.sample_rows]
+            params = [params[r] for r, _ in rows]
+            prompts = [prompts[r] for r, _ in rows]
+            outputs = [outputs[r] + drafts[r][:j] if j and outputs[r] is not empty else outputs[r]
+                       for r, j in rows]
+            positions = [positions[r] + j for r, j in rows]
+            eos = [eos[r] for r, _ in rows]
         md = SamplingMetadata.build(
-            params=[st.sampling_params for st in states],
-            prompt_token_ids=[st.token_ids[: st.num_prompt_tokens]
-                              if st.sampling_params.repetition_penalty != 1.0 else empty for st in states],
-            output_token_ids=[st.token_ids[st.num_prompt_tokens:] if _reads_outputs(st.sampling_params)
-                              else empty for st in states],
-            positions=[len(st.token_ids) for st in states],
-            eos_token_ids=[st.eos_token_id for st in states],
-            vocab_size=self.vocab_size, device=logits.device, logprobs_mode=self.logprobs_mode,
-            grammar_rows=[row for row, i in enumerate(batch.sample_rows) if batch.req_ids[i] in batch.grammar_rows])
+            params=params, prompt_token_ids=prompts, output_token_ids=outputs, positions=positions,
+            eos_token_ids=eos, vocab_size=self.vocab_size, device=logits.device,
+            logprobs_mode=self.logprobs_mode, grammar_rows=grammar)
         result = self.sampler(logits, md)
-        sampled = result.sampled_token_ids.tolist()
+        emitted = self._emitted(batch, result.sampled_token_ids.tolist(), layout)
         if result.logprobs is not None:
             token_ids = result.logprobs.token_ids.cpu().numpy()
             lps = result.logprobs.logprobs.cpu().numpy()
             ranks = result.logprobs.ranks.cpu().numpy()
             for row, st in enumerate(states):
-                if st.sampling_params.logprobs is not None and sampled[row] != NO_TOKEN:
+                n = len(emitted[row])
+                if st.sampling_params.logprobs is not None and n:
+                    first = row if layout is None else layout[0][row]
                     k = num_logprobs(st.sampling_params.logprobs, self.vocab_size)
                     out.logprobs[st.req_id] = LogprobsArrays(
-                        token_ids[row: row + 1, : k + 1].copy(), lps[row: row + 1, : k + 1].copy(),
-                        ranks[row: row + 1].copy())
-        self._take_tokens(batch, states, sampled, out)
+                        token_ids[first: first + n, : k + 1].copy(), lps[first: first + n, : k + 1].copy(),
+                        ranks[first: first + n].copy())
+        self._take_tokens(batch, states, emitted, out)
 
-    def _take_tokens(self, batch: _Batch, states: list[CachedRequestState], sampled: list[int],
+    @staticmethod
+    def _emitted(batch: _Batch, sampled: list[int], layout: tuple[list[int], list[int]] | None) -> list[list[int]]:
+        """Per sampling request, the tokens it emits ([]: its first row has no token left):
+        its one sample, or with proposals the verified run, cut before a row with no token."""
+        if layout is None:
+            return [[] if t == NO_TOKEN else [t] for t in sampled]
+        emitted: list[list[int]] = []
+        for first, count, i in zip(*layout, batch.sample_rows):
+            tokens = [sampled[first]] if count == 1 else verify(sampled[first: first + count], batch.spec[i])
+            if NO_TOKEN in tokens:
+                tokens = tokens[: tokens.index(NO_TOKEN)]
+            emitted.append(tokens)
+        return emitted
+
+    def _take_tokens(self, batch: _Batch, states: list[CachedRequestState], emitted: list[list[int]],
                      out: ModelRunnerOutput) -> None:
-        """Row i's token into `out`; a row left with no token fails its request instead."""
+        """Request i's tokens into `out`; one whose first row has no token fails instead."""
         for row, i in enumerate(batch.sample_rows):
-            if sampled[row] != NO_TOKEN:
-                out.sampled_token_ids[i] = [sampled[row]]
+            if emitted[row]:
+                out.sampled_token_ids[i] = emitted[row]
                 continue
             st = states[row]
             error = every_token_masked(st.sampling_params, st.token_ids[st.num_prompt_tokens:], st.eos_token_id,
@@ -138,10 +175,12 @@ class StepSampling:
                       failed: dict[int, Exception]) -> None:
         """Sample `rows` (indices into batch.sample_rows) of a batch that failed, in halves."""
         halves = [rows] if len(rows) == 1 else [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+        layout = row_layout(batch.sample_rows, batch.spec) if batch.spec else None
         for half in halves:
             sub = dataclasses.replace(batch, sample_rows=[batch.sample_rows[r] for r in half])
+            index = half if layout is None else [layout[0][r] + j for r in half for j in range(layout[1][r])]
             try:
-                self._sample(sub, logits[half], out)
+                self._sample(sub, logits[index], out)
             except Exception as e:
                 self.sampler.reset_buffers()
                 if len(half) == 1:
@@ -163,8 +202,9 @@ class StepSampling:
         logger.error("%s failed for request %r alone: %s", what, req_id, out.failed_req_ids[req_id])
 
     @staticmethod
-    def _apply_grammar_bitmask(batch: _Batch, logits: torch.Tensor) -> None:
-        """Mask the constrained rows of `logits` (one per batch.sample_rows) in place. Keyed
+    def _apply_grammar_bitmask(batch: _Batch, logits: torch.Tensor, firsts: list[int] | None = None) -> None:
+        """Mask the constrained rows of `logits` (one per batch.sample_rows, or the rows
+        `firsts` names: a constrained request has no proposals, so one row) in place. Keyed
         by request id, so it serves a retry on a subset of the rows too."""
         assert batch.grammar_bitmask is not None
         rows: list[int] = []
@@ -172,7 +212,7 @@ class StepSampling:
         for row, i in enumerate(batch.sample_rows):
             j = batch.grammar_rows.get(batch.req_ids[i])
             if j is not None:
-                rows.append(row)
+                rows.append(row if firsts is None else firsts[row])
                 masks.append(j)
         if rows:
             apply_token_bitmask(logits, batch.grammar_bitmask[masks], rows)

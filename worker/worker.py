@@ -146,7 +146,8 @@ class Worker:
     def _profile_peak_activation(self) -> int:
         """Bytes the largest step allocates beyond what is held now: one forward over the most
         tokens a step can schedule (no KV cache bound yet, so attention runs as one causal
-        sequence), the LM head over max_num_seqs rows, and a float32 softmax as the sampler's."""
+        sequence), the LM head over max_num_seqs rows (and one more per speculative proposal),
+        and a float32 softmax as the sampler's."""
         cfg, dev = self.config, self.device
         tokens = self._max_step_tokens()
         torch.cuda.synchronize(dev)
@@ -156,7 +157,9 @@ class Worker:
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)
         positions = torch.arange(tokens, device=dev) % self.max_model_len
         hidden = self.model(ids, positions)
-        logits = self.model.compute_logits(hidden[: min(tokens, cfg.max_num_seqs)]).float()
+        spec = cfg.speculative_config  # each proposal is one more sampled row
+        rows = cfg.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        logits = self.model.compute_logits(hidden[: min(tokens, rows)]).float()
         torch.softmax(logits, dim=-1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base

@@ -5,7 +5,7 @@
     tidal core MODEL [--address tcp://127.0.0.1:PORT | ipc:///path] [--key-file FILE]
                [--drain-timeout-s S] [engine args]
     tidal core-keygen FILE    (a CURVE key file for `tidal core --key-file` and its front-ends)
-    tidal make-model DIR [--arch qwen3|llama|qwen2|mistral] [--hidden-size ...] ...
+    tidal make-model DIR [--arch qwen3|llama|qwen2|mistral|qwen3_moe|mixtral|phi3|gemma2|gemma3] [--hidden-size ...] ...
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import os
 import sys
 
 from tidal.frontend import EngineArgs, config_from_args
+from tidal.utils.argparse_utils import FlexibleArgumentParser
 from tidal.utils.logging_utils import setup_logging
 
 DEFAULT_CORE_ADDRESS = "tcp://127.0.0.1:5570"
@@ -112,7 +113,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tidal", description="tidal LLM inference engine")
+    # vLLM's parser: `--max_model_len` is `--max-model-len`, as under `vllm serve`.
+    parser = FlexibleArgumentParser(prog="tidal", description="tidal LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion to stdout")
@@ -152,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-model", help="write a tiny random HF checkpoint + tokenizer")
     mk.add_argument("dir")
-    mk.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen2", "mistral"])
+    from tidal.frontend.entrypoints.make_model import ARCH_NAMES  # light: torch loads on use
+    mk.add_argument("--arch", default="qwen3", choices=ARCH_NAMES)
     for name in _MAKE_MODEL_INTS:
         mk.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     mk.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])

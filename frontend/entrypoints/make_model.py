@@ -52,7 +52,10 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+ARCH_NAMES = list(_ARCHS)  # make_model's `arch` values (the CLI's --arch choices)
 
 
 def default_model_dir() -> str:
@@ -171,9 +174,10 @@ def make_model(
     init_std is the normal std of every linear/embedding weight. 0.1 (5x HF's default) gives
     logits with top-1/top-2 gaps far above float32 noise, so greedy comparisons against
     transformers are not decided by near-ties. tie_word_embeddings defaults to True for the
-    Qwen archs and False for Llama/Mistral, as the published small models do.
+    Qwen and Gemma archs and False for Llama/Mistral, as the published small models do.
     sliding_window: every layer attends over that many positions (Mistral, Phi-3; Qwen2/Qwen3 with
     use_sliding_window and max_window_layers 0, which config_overrides can raise); None: full.
+    Gemma 2/3 alternate local layers (that window; None: the whole context) with global ones.
     The MoE archs (qwen3_moe, mixtral) take num_experts experts, num_experts_per_tok of them
     per token; moe_intermediate_size is each Qwen3-MoE expert's width (default hidden_size;
     a Mixtral expert is intermediate_size wide). Qwen3-MoE's other fields (norm_topk_prob,
@@ -193,7 +197,7 @@ def make_model(
 
     config_name, model_name = _ARCHS[arch]
     if tie_word_embeddings is None:
-        tie_word_embeddings = arch.startswith("qwen")
+        tie_word_embeddings = arch.startswith(("qwen", "gemma"))
     cfg: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -218,6 +222,11 @@ def make_model(
         cfg["sliding_window"] = sliding_window  # MistralConfig's default would be 4096
     elif arch in ("qwen2", "qwen3") and sliding_window is not None:
         cfg.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
+    elif arch in ("gemma2", "gemma3"):
+        # Gemma's own activation and query scale; local layers alternate with global ones
+        # (transformers' default pattern), their window sliding_window or, unset, the context.
+        cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg["head_dim"],
+                   sliding_window=sliding_window or max_position_embeddings)
     elif sliding_window is not None:
         raise ValueError(f"make_model gives {arch} no sliding window")
     if arch == "qwen3_moe":

@@ -125,6 +125,8 @@ static inline __attribute__((always_inline)) void kv_store_row(void *restrict ca
  * Blocks are walked in the outer loop and, inside a block, tokens before heads, so the block's
  * K and V rows are read front to back. Positions [first_pos, seq_len) are attended (first_pos > 0
  * under a sliding window): blocks before first_pos's are never touched (they may be freed).
+ * softcap > 0: each score s (already scaled) becomes softcap * tanh(s / softcap) before the
+ * softmax; callers pass the literal 0 for none, so that copy compiles without the branch.
  *
  * Always inlined so that each call with a constant head_dim (see the dispatch below) gets its own
  * copy with fixed trip counts: with a runtime head_dim every short inner loop re-checks aliasing
@@ -133,7 +135,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     const float *restrict q, float *restrict out, const void *restrict k_cache,
     const void *restrict v_cache, const int64_t *restrict blocks, int64_t first_pos, int64_t seq_len,
     int64_t first_kv_head, int64_t num_rows, int64_t group, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, float *restrict work, const int kind) {
+    const int64_t head_dim, int64_t block_size, float scale, const float softcap, float *restrict work,
+    const int kind) {
     float *acc = work;                              /* [num_rows, head_dim] */
     float *probs = acc + num_rows * head_dim;       /* [num_rows, block_size] */
     float *run_max = probs + num_rows * block_size; /* [num_rows] */
@@ -160,7 +163,9 @@ static inline __attribute__((always_inline)) void attend_rows(
             for (int64_t r = 0; r < num_rows; ++r) {
                 const float *qr = q + r * head_dim;
                 const char *kh = kt + kv_elem_size(kind) * (r / group) * head_dim;
-                probs[r * block_size + t] = dot_kv(qr, kh, head_dim, kind) * scale;
+                const float score = dot_kv(qr, kh, head_dim, kind) * scale;
+                /* Gemma 2's logit soft-capping (HF's order: scale, then cap * tanh(s / cap)). */
+                probs[r * block_size + t] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
             }
         }
         for (int64_t r = 0; r < num_rows; ++r) {
@@ -200,8 +205,9 @@ static inline __attribute__((always_inline)) void attend_rows(
 /* For each decode i: q row rows[i] of q ([*, num_heads, head_dim], row stride q_row_stride
  * floats) attends over positions [0, seq_lens[i]) of the sequence whose block ids are
  * block_tables[i * table_width ...], or with window > 0 over its last `window` positions only
- * (a sliding window: entries before them are never read, so they may name freed blocks); the
- * result goes to the same row of out.
+ * (a sliding window: entries before them are never read, so they may name freed blocks); with
+ * softcap > 0 every scaled score s is soft-capped to softcap * tanh(s / softcap) first (Gemma 2's
+ * attn_logit_softcapping). The result goes to the same row of out.
  * Returns 0; -1 when scratch memory could not be allocated; -2 when a row is outside
  * [0, num_q_rows), or a sequence needs more blocks than its table row holds or names a block it
  * reads outside [0, num_blocks) (nothing is read or written then). The public kernels below are
@@ -213,7 +219,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, const int64_t *rows,
     int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks, const int64_t *block_tables,
     int64_t table_width, const int64_t *seq_lens, int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, int64_t window, const int kind) {
+    int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap, const int kind) {
     const int64_t table_stride = table_width;
     if (num_decodes <= 0) return 0;
     for (int64_t i = 0; i < num_decodes; ++i) {
@@ -250,9 +256,10 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 const float *qi = q + rows[i] * q_row_stride + j0 * group * head_dim;
                 float *oi = out + rows[i] * out_row_stride + j0 * group * head_dim;
                 const int64_t *blocks = block_tables + i * table_stride;
-#define ATTEND(D) attend_rows(qi, oi, k_cache, v_cache, blocks, FIRST_POS(seq_lens[i]), seq_lens[i], j0, \
-                              (j1 - j0) * group, \
-                              group, num_kv_heads, D, block_size, scale, work, kind)
+#define ATTEND_CAP(D, CAP) attend_rows(qi, oi, k_cache, v_cache, blocks, FIRST_POS(seq_lens[i]), seq_lens[i], \
+                                       j0, (j1 - j0) * group, group, num_kv_heads, D, block_size, scale, CAP, \
+                                       work, kind)
+#define ATTEND(D) (softcap > 0.0f ? ATTEND_CAP(D, softcap) : ATTEND_CAP(D, 0.0f))
                 switch (head_dim) { /* the head sizes of common models get specialized loops */
                 case 64: ATTEND(64); break;
                 case 80: ATTEND(80); break;
@@ -262,6 +269,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 default: ATTEND(head_dim);
                 }
 #undef ATTEND
+#undef ATTEND_CAP
             }
         }
         free(work);
@@ -275,18 +283,28 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
         int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks,                    \
         const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, int64_t num_decodes,      \
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale
-#define DECODE_CALL(WINDOW, KIND)                                                                          \
+#define DECODE_CALL(WINDOW, SOFTCAP, KIND)                                                                 \
     paged_decode_attention(q, q_row_stride, out, out_row_stride, rows, num_q_rows, k_cache, v_cache,         \
                            num_blocks, block_tables, table_width, seq_lens, num_decodes, num_heads,         \
-                           num_kv_heads, head_dim, block_size, scale, WINDOW, KIND)
+                           num_kv_heads, head_dim, block_size, scale, WINDOW, SOFTCAP, KIND)
 /* Full attention (the signature tests and benchmarks call directly). */
-int tidal_paged_decode_attention_f32(DECODE_ARGS) { return DECODE_CALL(0, KV_F32); }
-int tidal_paged_decode_attention_f16(DECODE_ARGS) { return DECODE_CALL(0, KV_F16); }
-int tidal_paged_decode_attention_bf16(DECODE_ARGS) { return DECODE_CALL(0, KV_BF16); }
-/* The same with a trailing sliding window (<= 0: none); the backend calls these. */
-int tidal_paged_decode_attention_sw_f32(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, KV_F32); }
-int tidal_paged_decode_attention_sw_f16(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, KV_F16); }
-int tidal_paged_decode_attention_sw_bf16(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, KV_BF16); }
+int tidal_paged_decode_attention_f32(DECODE_ARGS) { return DECODE_CALL(0, 0.0f, KV_F32); }
+int tidal_paged_decode_attention_f16(DECODE_ARGS) { return DECODE_CALL(0, 0.0f, KV_F16); }
+int tidal_paged_decode_attention_bf16(DECODE_ARGS) { return DECODE_CALL(0, 0.0f, KV_BF16); }
+/* The same with a trailing sliding window (<= 0: none). */
+int tidal_paged_decode_attention_sw_f32(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, 0.0f, KV_F32); }
+int tidal_paged_decode_attention_sw_f16(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, 0.0f, KV_F16); }
+int tidal_paged_decode_attention_sw_bf16(DECODE_ARGS, int64_t window) { return DECODE_CALL(window, 0.0f, KV_BF16); }
+/* The same with a window and a logit soft cap (<= 0: none) after it; the backend calls these. */
+int tidal_paged_decode_attention_swcap_f32(DECODE_ARGS, int64_t window, float softcap) {
+    return DECODE_CALL(window, softcap, KV_F32);
+}
+int tidal_paged_decode_attention_swcap_f16(DECODE_ARGS, int64_t window, float softcap) {
+    return DECODE_CALL(window, softcap, KV_F16);
+}
+int tidal_paged_decode_attention_swcap_bf16(DECODE_ARGS, int64_t window, float softcap) {
+    return DECODE_CALL(window, softcap, KV_BF16);
+}
 #undef DECODE_ARGS
 #undef DECODE_CALL
 

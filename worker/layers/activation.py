@@ -21,3 +21,21 @@ class SiluAndMul(nn.Module):
             lib.tidal_silu_and_mul_f32(ptr(x), ptr(out), x.numel() // (2 * d) if d else 0, d)
             return out
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """gelu(x[..., :d]) * x[..., d:] (GeGLU: Gemma's MLP); approximate "tanh" is transformers'
+    gelu_pytorch_tanh, "none" the exact erf form (its "gelu")."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GeluAndMul: approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"

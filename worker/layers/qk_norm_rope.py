@@ -18,8 +18,9 @@ from tidal.worker.layers.rotary import RotaryEmbedding
 
 class QKNormRope(nn.Module):
     def __init__(self, rotary_emb: RotaryEmbedding, num_heads: int, num_kv_heads: int,
-                 norm_eps: float | None) -> None:
-        """`norm_eps` None: no q/k norms (Llama); else the eps of both per-head RMSNorms."""
+                 norm_eps: float | None, norm_cls: type[RMSNorm] = RMSNorm) -> None:
+        """`norm_eps` None: no q/k norms (Llama); else the eps of both per-head RMSNorms, of
+        class `norm_cls` (GemmaRMSNorm for Gemma 3's 1 + weight convention)."""
         super().__init__()
         self.rotary_emb = rotary_emb  # one cos/sin table shared by every layer
         self.num_heads = num_heads
@@ -29,8 +30,8 @@ class QKNormRope(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if norm_eps is not None:
-            self.q_norm = RMSNorm(self.head_dim, eps=norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=norm_eps)
+            self.q_norm = norm_cls(self.head_dim, eps=norm_eps)
+            self.k_norm = norm_cls(self.head_dim, eps=norm_eps)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """positions [T], qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq * D], k and v [T, Hkv * D].
@@ -48,7 +49,7 @@ class QKNormRope(nn.Module):
         return q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v
 
     def _norm_weights(self) -> list[torch.Tensor]:
-        return [n.weight for n in (self.q_norm, self.k_norm) if n is not None]
+        return [n.kernel_weight for n in (self.q_norm, self.k_norm) if n is not None]
 
     def _kernel_applies(self, positions: torch.Tensor, qkv: torch.Tensor) -> bool:
         """Shapes and layouts the kernel reads correctly; anything else takes the torch ops,
@@ -66,7 +67,7 @@ class QKNormRope(nn.Module):
     def _forward_kernel(self, positions: torch.Tensor, qkv: torch.Tensor) -> None:
         rope = self.rotary_emb
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else positions.long().contiguous()
-        q_w, k_w = (None if n is None else ptr(n.weight) for n in (self.q_norm, self.k_norm))
+        q_w, k_w = (None if n is None else ptr(n.kernel_weight) for n in (self.q_norm, self.k_norm))
         eps = 0.0 if self.q_norm is None else self.q_norm.variance_epsilon
         lib = cpu_kernels()
         assert lib is not None  # _kernel_applies built it

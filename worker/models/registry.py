@@ -8,6 +8,7 @@ from torch import nn
 
 from tidal.protocol.config import SUPPORTED_ARCHITECTURES
 
+from tidal.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tidal.worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -25,6 +26,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 

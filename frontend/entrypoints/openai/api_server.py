@@ -51,6 +51,7 @@ from tidal.frontend.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
+    request_decoder,
 )
 from tidal.frontend.entrypoints.openai.server_flags import (
     RootPathOnce,
@@ -61,9 +62,14 @@ from tidal.frontend.entrypoints.openai.server_flags import (
     remove_uds,
     uvicorn_kwargs,
 )
+from tidal.frontend.entrypoints.openai.orca_metrics import with_orca_header
+from tidal.frontend.entrypoints.openai.sagemaker import Invocations
+from tidal.frontend.entrypoints.openai.server_load import ServerLoad
 from tidal.frontend.entrypoints.openai.serving_chat import ChatHandler, render_chat
+from tidal.frontend.entrypoints.openai.serving_chat_batch import BatchChatHandler
 from tidal.frontend.entrypoints.openai.serving_completions import CompletionsHandler
 from tidal.frontend.entrypoints.openai.serving_context import ChatOptions, ServingContext
+from tidal.frontend.entrypoints.openai.tokenizer_info import TokenizerInfoRoute
 from tidal.frontend import lower_thread_priority
 from tidal.protocol import envs
 from tidal.protocol.errors import EngineDeadError
@@ -71,7 +77,8 @@ from tidal.utils.openmp import omp_wait_is_tidals
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # no API key needed (probes and scrapers)
+# No API key needed: probes, scrapers and load balancers' load polls.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/load"})
 _LOG_POLL_MIN_S = 0.05  # the stats task never wakes more often than this
 _JSON = "application/json"
 
@@ -135,13 +142,15 @@ Handler = Callable[[Any, Request], Awaitable[Response]]
 
 
 def json_endpoint(handler: Handler, request_type: type, limit: int) -> Callable[[Request], Awaitable[Response]]:
-    """A POST route: body (size-checked) -> typed request -> handler; every failure an APIError."""
-    decoder = msgspec.json.Decoder(request_type)
+    """A POST route: body (size-checked) -> typed request (`bytes`: the body itself, for a
+    handler that decodes it) -> handler; every failure an APIError."""
+    decode: Callable[[bytes], Any] = (
+        (lambda b: b) if request_type is bytes else request_decoder(request_type).decode)
 
     async def endpoint(request: Request) -> Response:
         body = await read_body(request, limit)
         try:
-            return await handler(decoder.decode(body), request)
+            return await handler(decode(body), request)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: the client went away
         except Exception as e:
@@ -242,9 +251,15 @@ async def _log_stats(engine: AsyncLLM) -> None:
 def build_app(ctx: ServingContext, *, api_key: str | Sequence[str] | None = None, max_body_bytes: int = 32 << 20,
               flags: Any = None) -> Starlette:
     """The app; `flags` (tidal serve's parsed arguments) adds the middleware server_flags
-    implements (outside the API key check, so CORS preflights need no key)."""
+    implements (outside the API key check, so CORS preflights need no key), server load tracking
+    and the /tokenizer_info route."""
     routes = Routes(ctx)
-    completions, chat = CompletionsHandler(ctx), ChatHandler(ctx)
+    load = ServerLoad(bool(getattr(flags, "enable_server_load_tracking", False)))
+    chat_handler = ChatHandler(ctx)
+    # The generation handlers: ORCA load reports on whole responses, counted in the server load.
+    completions = load.tracked(with_orca_header(CompletionsHandler(ctx), ctx.engine))
+    chat = load.tracked(with_orca_header(chat_handler, ctx.engine))
+    batch_chat = load.tracked(BatchChatHandler(ctx, chat_handler))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -265,9 +280,15 @@ def build_app(ctx: ServingContext, *, api_key: str | Sequence[str] | None = None
         Route("/v1/completions", json_endpoint(completions, CompletionRequest, max_body_bytes), methods=["POST"]),
         Route("/v1/chat/completions", json_endpoint(chat, ChatCompletionRequest, max_body_bytes),
               methods=["POST"]),
+        Route("/v1/chat/completions/batch", json_endpoint(batch_chat, bytes, max_body_bytes), methods=["POST"]),
+        Route("/invocations", json_endpoint(Invocations(chat, completions), bytes, max_body_bytes),
+              methods=["POST"]),  # SageMaker's
+        Route("/load", load.endpoint, methods=["GET"]),
         Route("/tokenize", json_endpoint(routes.tokenize, TokenizeRequest, max_body_bytes), methods=["POST"]),
         Route("/detokenize", json_endpoint(routes.detokenize, DetokenizeRequest, max_body_bytes),
               methods=["POST"]),
+        *([Route("/tokenizer_info", TokenizerInfoRoute(ctx).endpoint, methods=["GET"])]
+          if getattr(flags, "enable_tokenizer_info_endpoint", False) else []),
     ], exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _api_error},
         lifespan=lifespan)
     if api_key:
@@ -335,7 +356,8 @@ async def run_server(args: Any) -> None:
         yield_to_cpu_engine(engine, nice_increment)
         ctx = ServingContext(engine, served_names(engine_args), template, ChatOptions(
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
-            args.enable_force_include_usage, args.return_tokens_as_token_ids, args.trust_request_chat_template),
+            args.enable_force_include_usage, args.return_tokens_as_token_ids, args.trust_request_chat_template,
+            args.enable_prompt_tokens_details),
             limits)
         keys = api_keys(args.api_key)
         app = build_app(ctx, api_key=keys, max_body_bytes=args.max_request_body_bytes, flags=args)

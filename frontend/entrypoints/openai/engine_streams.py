@@ -3,9 +3,9 @@ of a request's prompts gathered (or merged, streamed), the one output of a FINAL
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Generator, Sequence
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 from tidal.frontend.entrypoints.openai.errors import APIError
 from tidal.protocol.outputs import RequestOutput
@@ -23,18 +23,41 @@ async def primed(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, Asyn
     return first, gen
 
 
-async def gather_all(works: Sequence[Awaitable[T]]) -> list[T]:
+def gather_all(works: Sequence[Awaitable[T]]) -> Gathered[T]:
     """All results; on the first failure the others are cancelled (their requests aborted)."""
-    if len(works) == 1:
-        return [await works[0]]
-    tasks = [asyncio.ensure_future(w) for w in works]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    return Gathered(works)
+
+
+class Gathered(Generic[T]):
+    """gather_all's awaitable. `close()` drops it unstarted with the works it holds (a client
+    already gone: disconnect.until_disconnect), as a coroutine's close() would drop one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: Sequence[Awaitable[T]]) -> None:
+        self.works = works
+
+    def __await__(self) -> Generator[Any, None, list[T]]:
+        return self._run().__await__()
+
+    def close(self) -> None:
+        for w in self.works:
+            close = getattr(w, "close", None)
+            if close is not None:
+                close()
+
+    async def _run(self) -> list[T]:
+        works = self.works
+        if len(works) == 1:
+            return [await works[0]]
+        tasks = [asyncio.ensure_future(w) for w in works]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
 
 async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:

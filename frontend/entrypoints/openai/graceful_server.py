@@ -21,6 +21,7 @@ from types import FrameType
 
 import uvicorn
 from tidal.frontend import AsyncLLM
+from tidal.frontend.entrypoints.openai.disconnect import CancelOnDisconnect
 from tidal.protocol.errors import EngineDeadError
 
 logger = logging.getLogger("tidal.frontend.entrypoints.openai.api_server")
@@ -42,9 +43,15 @@ class GracefulServer(uvicorn.Server):
     that goes from then on is not restarted), uvicorn stops accepting and waits for the
     requests in flight; at --shutdown-timeout those still running are aborted, so each stream
     still ends with its last chunk (finish_reason "abort") and `data: [DONE]`. uvicorn's own
-    cancel, which cuts a stream off mid-body, is only a backstop ABORT_GRACE_S later."""
+    cancel, which cuts a stream off mid-body, is only a backstop ABORT_GRACE_S later.
+
+    The app is served under CancelOnDisconnect (disconnect.py), outermost: a request whose
+    client leaves is cancelled wherever its work is, which aborts it in the core, and one
+    whose client is gone before it reaches the engine is never sent there."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout_s: float) -> None:
+        if not isinstance(config.app, (str, CancelOnDisconnect)):
+            config.app = CancelOnDisconnect(config.app)
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout_s = shutdown_timeout_s

@@ -1,23 +1,41 @@
 """Request and response schemas of the OpenAI-compatible server, as msgspec Structs.
 
-Requests are decoded straight into typed Structs (`msgspec.json.decode(body, type=...)`):
-unknown fields are ignored, as OpenAI clients send fields this server does not know, and a
-wrong type is a 400 naming the field. Responses and stream chunks are Structs too, encoded by
-msgspec without building Python dicts per token. Field names and order follow vLLM's
-protocol.py (OpenAI's names plus vLLM's extras, e.g. `stop_reason`).
+Requests are decoded straight into typed Structs (`request_decoder`: msgspec, strict=False):
+unknown fields are ignored, as OpenAI clients send fields this server does not know; values
+are coerced where vLLM's pydantic models (lax mode) coerce them (a numeric string for a
+number, "true"/"false"/"1"/"0" or 0/1 for a bool, an int for a float, 5.0 for an int), and a
+wrong type is a 400 naming the field. The bounds vLLM puts on fields (pydantic `Field(ge=...,
+le=...)`) are msgspec `Meta` constraints here, answered in pydantic's words (errors.py).
+Responses and stream chunks are Structs too, encoded by msgspec without building Python dicts
+per token. Field names and order follow vLLM's protocol.py (OpenAI's names plus vLLM's
+extras, e.g. `stop_reason`).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+
+# vLLM's bounds (pydantic Field(ge=..., le=...) in its request models): a seed and a priority
+# are 64-bit signed; truncate_prompt_tokens is -1 (the context window) or a count.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+TruncatePromptTokens = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
+
+T = TypeVar("T")
 
 # ----------------------------------------------------------------------------- requests
 
 
+def request_decoder(request_type: type[T]) -> msgspec.json.Decoder[T]:
+    """The decoder of a request body into `request_type`, lenient where vLLM is (see above)."""
+    return msgspec.json.Decoder(request_type, strict=False)
+
 class StreamOptions(msgspec.Struct):
-    """vLLM's: `include_usage` defaults to true once stream_options is given; null reads as false.
-    UNSET tells `{}` (which vLLM takes without `stream`) from options actually set."""
+    """vLLM's (`include_usage: bool | None = False`, `continuous_usage_stats: bool | None =
+    False`): each is false unless sent true, so `{}` asks for no usage chunk. UNSET tells `{}`
+    (which vLLM takes without `stream`: its check is the object's truthiness) from options
+    actually set. sse.should_include_usage reads them as vLLM does."""
 
     include_usage: bool | None | msgspec.UnsetType = msgspec.UNSET
     continuous_usage_stats: bool | None | msgspec.UnsetType = msgspec.UNSET
@@ -28,12 +46,12 @@ class StreamOptions(msgspec.Struct):
 
     @property
     def usage(self) -> bool:
-        return self.include_usage is msgspec.UNSET or bool(self.include_usage)
+        return self.include_usage is True
 
     @property
     def continuous(self) -> bool:
-        """Usage in every chunk, when usage is included at all (see sse.StreamFraming)."""
-        return self.continuous_usage_stats is not msgspec.UNSET and bool(self.continuous_usage_stats)
+        """Usage in every chunk, when usage is included at all (see sse.should_include_usage)."""
+        return self.continuous_usage_stats is True
 
 
 class JsonSchemaResponseFormat(msgspec.Struct, kw_only=True):
@@ -80,7 +98,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -97,10 +115,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    # vLLM's: the side truncate_prompt_tokens cuts ("right" keeps the first N tokens, "left" the
+    # last N); None is its generation tokenizers' side, "left".
+    truncation_side: Literal["left", "right"] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: Int64 = 0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -181,10 +202,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------------------- responses
 
 
+class PromptTokenUsageInfo(msgspec.Struct):
+    """vLLM's usage.prompt_tokens_details (--enable-prompt-tokens-details)."""
+    cached_tokens: int | None = None
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class CompletionLogProbs(msgspec.Struct):

@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from tidal.frontend import RequestIds, random_request_id
-from tidal.frontend.entrypoints.openai.errors import APIError
-from tidal.frontend.entrypoints.openai.protocol import SamplingFields
+from tidal.frontend.entrypoints.openai.errors import APIError, range_message
+from tidal.frontend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tidal.protocol.structured_outputs import CONSTRAINTS, StructuredOutputsParams
 
@@ -26,10 +26,23 @@ def request_ids(prefix: str, request: Request, req: SamplingFields, ids: Request
 
 
 def check_request(req: SamplingFields) -> None:
-    """vLLM's request validators that no SamplingParams field covers: 400 naming the field."""
-    if req.stream and req.prompt_logprobs:  # 0 asks for none, as vLLM allows
-        raise APIError("`prompt_logprobs` are not available when `stream=True`.",
-                       HTTPStatus.BAD_REQUEST, "prompt_logprobs")
+    """vLLM's request validators that no SamplingParams field covers: 400 naming the field, in
+    vLLM's words (its `check_logprobs`, `validate_stream_options`, ...; a token id below 0 in
+    pydantic's, as its `Field(ge=0)` on prompt ids words it)."""
+    if isinstance(req, CompletionRequest):
+        check_prompt_ids(req.prompt)
+    prompt_lps = req.prompt_logprobs
+    if prompt_lps is not None:
+        if req.stream and (prompt_lps > 0 or prompt_lps == -1):  # 0 asks for none, as vLLM allows
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.",
+                           HTTPStatus.BAD_REQUEST, "prompt_logprobs")
+        if prompt_lps < -1:
+            raise APIError("`prompt_logprobs` must be a positive value or -1.", HTTPStatus.BAD_REQUEST,
+                           "prompt_logprobs")
+    name, count = (("logprobs", req.logprobs) if isinstance(req, CompletionRequest) else
+                   ("top_logprobs", req.top_logprobs) if isinstance(req, ChatCompletionRequest) else ("", None))
+    if count is not None and count < -1:
+        raise APIError(f"`{name}` must be a positive value or -1.", HTTPStatus.BAD_REQUEST, name)
     if req.stream_options is not None and req.stream_options.given and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.",
                        HTTPStatus.BAD_REQUEST, "stream_options")
@@ -42,6 +55,26 @@ def check_request(req: SamplingFields) -> None:
     if req.cache_salt is not None and not req.cache_salt:
         raise APIError("Parameter 'cache_salt' must be a non-empty string if provided.",
                        HTTPStatus.BAD_REQUEST, "cache_salt")
+
+
+def check_prompt_ids(prompt: object) -> None:
+    """A token-id prompt (a list of ids, or a list of such lists) with an id below 0: 400 in
+    pydantic's words, as vLLM's `list[Annotated[int, Field(ge=0)]]` refuses it. Anything else
+    (text, ids of other types) is left to completion_prompts. One C pass (min) per list."""
+    if not isinstance(prompt, list) or not prompt:
+        return
+    rows: Any = enumerate(prompt) if isinstance(prompt[0], list) else [(None, prompt)]
+    for i, row in rows:
+        if not isinstance(row, list) or not row:
+            continue
+        try:
+            low = min(row)
+        except TypeError:  # not all numbers: not a token-id list
+            continue
+        if type(low) is int and low < 0:
+            j = row.index(low)
+            loc = f"prompt.{j}" if i is None else f"prompt.{i}.{j}"
+            raise APIError(range_message(loc, ">=", 0, low), HTTPStatus.BAD_REQUEST, "prompt")
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,

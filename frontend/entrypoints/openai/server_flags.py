@@ -4,7 +4,9 @@ accepts without acting on them or refuses (vllm/entrypoints/openai/cli_args.py, 
 
 Every vLLM server flag has a defined outcome here: implemented, accepted as a no-op (a value
 other than vLLM's default logs why it changes nothing), or refused at start-up with a message
-naming the feature (exit 1, before the engine loads).
+naming the feature (exit 1, before the engine loads). Some are only declared here and acted on
+where their feature is: --enable-prompt-tokens-details (usage_details.py),
+--enable-server-load-tracking (server_load.py), --enable-tokenizer-info-endpoint (tokenizer_info.py).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ NOOP_FLAGS: dict[str, tuple[Any, str]] = {
     "h11_max_incomplete_event_size": (4194304, "tidal's server parses HTTP with httptools, not h11"),
     "h11_max_header_count": (256, "tidal's server parses HTTP with httptools, not h11"),
     "max_log_len": (None, "tidal's request log (--enable-log-requests) prints request ids, never prompts"),
+    "disable_frontend_multiprocessing": (False, "tidal's server and its engine client are one process; the "
+                                                "engine core is always a process of its own"),
 }
 # vLLM flags for features tidal does not have: flag -> the feature; any value but vLLM's default
 # (unset, False, or "" for --tool-parser-plugin) is refused.
@@ -45,17 +49,14 @@ REFUSED_FLAGS: dict[str, str] = {
     "tool_parser_plugin": "tool calling",
     "tool_server": "tool calling",
     "exclude_tools_when_tool_choice_none": "tool calling",
-    "enable_prompt_tokens_details": "prompt_tokens_details in usage",
-    "enable_server_load_tracking": "server load tracking",
-    "enable_tokenizer_info_endpoint": "the /tokenizer_info endpoint",
     "enable_log_outputs": "logging generated outputs",
     "tokens_only": "the tokens-only endpoint set",
     "enable_ssl_refresh": "reloading TLS certificates while running",
 }
 _STORE_TRUE = frozenset({"enable_auto_tool_choice", "exclude_tools_when_tool_choice_none",
-                         "enable_prompt_tokens_details", "enable_server_load_tracking",
-                         "enable_tokenizer_info_endpoint", "enable_log_outputs", "tokens_only",
-                         "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs"})
+                         "enable_log_outputs", "tokens_only",
+                         "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs",
+                         "disable_frontend_multiprocessing"})
 _INT_FLAGS = frozenset({"h11_max_incomplete_event_size", "h11_max_header_count", "max_log_len"})
 
 
@@ -119,6 +120,13 @@ def add_server_flags(group: argparse._ArgumentGroup) -> None:
                        help="logprob tokens as 'token_id:N' strings (a request's return_tokens_as_token_ids wins)")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own `chat_template` (else such a request is a 400)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the "
+                            "prefix cache (chat and completions, streamed and not)")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="count the generation requests in flight, reported by GET /load")
+    group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info, the tokenizer's configuration (its chat template too)")
     for name in [*NOOP_FLAGS, *REFUSED_FLAGS]:
         flag = "--" + name.replace("_", "-")
         if name in _STORE_TRUE:

@@ -40,7 +40,9 @@ from tidal.frontend.entrypoints.openai.protocol import (
 from tidal.frontend.entrypoints.openai.request_params import check_request, request_ids, sampling_params
 from tidal.frontend.entrypoints.openai.serving_context import ServingContext
 from tidal.frontend.entrypoints.openai.sse import SSEResponse, StreamFraming, event_stream
+from tidal.frontend.entrypoints.openai.usage_details import CachedTokens, DetailsFraming, cached_details
 from tidal.protocol.outputs import RequestOutput
+from tidal.protocol.sampling_params import SamplingParams
 
 _encode = msgspec.json.encode
 UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
@@ -95,6 +97,19 @@ class ChatHandler:
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
         ctx = self.ctx
         model = ctx.model_name(req.model)
+        text, ids, params = await self.engine_inputs(req)
+        rid, engine_rid = request_ids("chatcmpl", request, req, ctx.request_ids)
+        gen = ctx.engine.generate(ctx.engine_prompt(text, ids, req), params, engine_rid, priority=req.priority)
+        if req.stream:
+            first, gen = await until_disconnect(request, primed(gen))
+            return SSEResponse(self._stream(req, rid, model, first, gen))
+        final = await until_disconnect(request, final_output(gen))
+        return Response(_encode(self._response(req, rid, model, final)), media_type="application/json")
+
+    async def engine_inputs(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+        """The request checked, its messages rendered and tokenized, and its SamplingParams:
+        (prompt text, prompt ids, params); a 400 for whatever is wrong with it."""
+        ctx = self.ctx
         check_request(req)
         if req.tool_choice not in (None, "none") and req.tools is None:
             raise APIError("When using `tool_choice`, `tools` must be set.", HTTPStatus.BAD_REQUEST, "tool_choice")
@@ -115,28 +130,22 @@ class ChatHandler:
         max_tokens = ctx.resolve_max_tokens(len(ids), asked)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
-        rid, engine_rid = request_ids("chatcmpl", request, req, ctx.request_ids)
-        gen = ctx.engine.generate(ctx.engine_prompt(text, ids, req), params, engine_rid, priority=req.priority)
-        if req.stream:
-            first, gen = await until_disconnect(request, primed(gen))
-            return SSEResponse(self._stream(req, rid, model, first, gen))
-        final = await until_disconnect(request, final_output(gen))
-        return Response(_encode(self._response(req, rid, model, final)), media_type="application/json")
+        return text, ids, params
 
-    def _role(self, req: ChatCompletionRequest) -> str:
+    def role(self, req: ChatCompletionRequest) -> str:
         """--response-role for a generated reply; the last message's role when the reply
         continues it (add_generation_prompt false), as vLLM."""
         if req.add_generation_prompt:
             return self.ctx.options.response_role
         return str(req.messages[-1]["role"])
 
-    def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], positions: Any) -> ChatLogprobs | None:
+    def logprobs(self, req: ChatCompletionRequest, token_ids: list[int], positions: Any) -> ChatLogprobs | None:
         if not req.logprobs:
             return None
         return chat_logprobs(token_ids, positions or [], req.top_logprobs or 0, self.ctx.tokenizer,
                              self.ctx.tokens_as_ids(req))
 
-    def _echoed(self, req: ChatCompletionRequest, role: str) -> str:
+    def echoed(self, req: ChatCompletionRequest, role: str) -> str:
         """What `echo` puts before the reply: the last message's text when it has the reply's
         role (vLLM's rule), else nothing."""
         last = req.messages[-1]
@@ -147,15 +156,16 @@ class ChatHandler:
     def _response(self, req: ChatCompletionRequest, rid: str, model: str,
                   final: RequestOutput) -> ChatCompletionResponse:
         choices, completion_tokens = [], 0
-        role = self._role(req)
-        echoed, ids = self._echoed(req, role), req.return_token_ids
+        role = self.role(req)
+        echoed, ids = self.echoed(req, role), req.return_token_ids
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
             choices.append(ChatChoice(o.index, ChatMessage(role, echoed + o.text),
-                                      self._logprobs(req, o.token_ids, o.logprobs), o.finish_reason, o.stop_reason,
+                                      self.logprobs(req, o.token_ids, o.logprobs), o.finish_reason, o.stop_reason,
                                       o.token_ids if ids else None))
         prompt_tokens = len(final.prompt_token_ids)
-        usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+        usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens,
+                          cached_details(self.ctx.options.prompt_tokens_details, final.num_cached_tokens))
         prompt_lps = prompt_logprobs_out(final) if req.prompt_logprobs is not None else None
         return ChatCompletionResponse(id=rid, created=int(time.time()), model=model, choices=choices,
                                       usage=usage, prompt_logprobs=prompt_lps,
@@ -163,8 +173,10 @@ class ChatHandler:
 
     def _stream(self, req: ChatCompletionRequest, rid: str, model: str, first: RequestOutput,
                 gen: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
-        framing = StreamFraming("chat.completion.chunk", rid, model, req, self.ctx.options.force_include_usage)
+        options = self.ctx.options
+        framing = DetailsFraming("chat.completion.chunk", rid, model, req, options.force_include_usage)
         usage = UsageInfo(prompt_tokens=len(first.prompt_token_ids))
+        cached = CachedTokens(options.prompt_tokens_details)
         choice_tokens = [0] * req.n  # per choice (continuous usage)
         opened = False
 
@@ -173,6 +185,7 @@ class ChatHandler:
             out = item[1]
             parts = [] if opened else self._opening(req, framing, first)  # with the first output's: one write
             opened = True
+            cached.see(0, out.num_cached_tokens, usage)
             for o in out.outputs:
                 usage.completion_tokens += len(o.token_ids)
                 choice_tokens[o.index] += len(o.token_ids)
@@ -184,8 +197,8 @@ class ChatHandler:
     def _opening(self, req: ChatCompletionRequest, framing: StreamFraming, first: RequestOutput) -> list[bytes]:
         """Each choice opens with the role, as OpenAI's streams do, then the echoed text if any;
         the role chunk carries the prompt's ids with return_token_ids (vLLM's place)."""
-        role = self._role(req)
-        echoed = self._echoed(req, role)
+        role = self.role(req)
+        echoed = self.echoed(req, role)
         start_tail = framing.tail(len(first.prompt_token_ids), 0)  # opens with "]"
         role_tail = start_tail if not req.return_token_ids else (
             b'],"prompt_token_ids":' + _encode(first.prompt_token_ids) + start_tail[1:])
@@ -197,7 +210,7 @@ class ChatHandler:
         return parts
 
     def _chunk(self, req: ChatCompletionRequest, o: Any) -> ChatStreamChoice:
-        logprobs = self._logprobs(req, o.token_ids, o.logprobs)
+        logprobs = self.logprobs(req, o.token_ids, o.logprobs)
         if req.return_token_ids:
             return ChatStreamChoiceIds(o.index, DeltaMessage(content=o.text), logprobs, o.finish_reason,
                                        o.stop_reason, o.token_ids)

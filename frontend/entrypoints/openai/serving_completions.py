@@ -28,7 +28,8 @@ from tidal.frontend.entrypoints.openai.protocol import (
 )
 from tidal.frontend.entrypoints.openai.request_params import check_request, request_ids, sampling_params
 from tidal.frontend.entrypoints.openai.serving_context import ServingContext
-from tidal.frontend.entrypoints.openai.sse import SSEResponse, StreamFraming, event_stream
+from tidal.frontend.entrypoints.openai.sse import SSEResponse, event_stream
+from tidal.frontend.entrypoints.openai.usage_details import CachedTokens, DetailsFraming, cached_details
 from tidal.protocol.outputs import CompletionOutput, RequestOutput
 
 _encode = msgspec.json.encode
@@ -114,6 +115,8 @@ class CompletionsHandler:
                 usage.completion_tokens += len(o.token_ids)
                 choices.append(self._choice(req, builder, i * req.n + o.index, final, o))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage.prompt_tokens_details = cached_details(self.ctx.options.prompt_tokens_details,
+                                                     sum(final.num_cached_tokens for final in finals))
         return CompletionResponse(id=rid, created=int(time.time()), model=model, choices=choices, usage=usage)
 
     def _choice(self, req: CompletionRequest, builder: LogprobsBuilder, index: int, final: RequestOutput,
@@ -140,17 +143,20 @@ class CompletionsHandler:
     # ------------------------------------------------------------------- streamed
     def _stream(self, req: CompletionRequest, rid: str, model: str,
                 streams: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]) -> AsyncIterator[bytes]:
-        framing = StreamFraming("text_completion", rid, model, req, self.ctx.options.force_include_usage)
+        options = self.ctx.options
+        framing = DetailsFraming("text_completion", rid, model, req, options.force_include_usage)
         builder = LogprobsBuilder(self.ctx.tokenizer, req.logprobs or 0, self.ctx.tokens_as_ids(req))
         offsets: dict[int, int] = {}  # choice index -> characters streamed (logprobs text_offset)
         choice_tokens: dict[int, int] = {}  # choice index -> tokens streamed (continuous usage)
         seen_prompts: set[int] = set()
         usage = UsageInfo()
+        cached = CachedTokens(options.prompt_tokens_details)
         left = len(streams)  # prompts not finished yet
 
         def events(item: tuple[int, RequestOutput]) -> tuple[list[bytes], bool]:
             nonlocal left
             i, out = item
+            cached.see(i, out.num_cached_tokens, usage)
             parts = []
             for o in out.outputs:
                 o = _without_generation(o) if _echo_only(req) else o

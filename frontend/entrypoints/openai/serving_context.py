@@ -22,8 +22,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """tidal serve's flags for chat and streams (vLLM's names: --response-role,
-    --chat-template-content-format, --default-chat-template-kwargs, --enable-force-include-usage)."""
+    """tidal serve's flags for chat, completions and streams (vLLM's names: --response-role,
+    --chat-template-content-format, --default-chat-template-kwargs, --enable-force-include-usage,
+    --enable-prompt-tokens-details)."""
 
     response_role: str = "assistant"
     content_format: str = "auto"  # auto and string: text parts joined; openai: a list of text parts
@@ -31,6 +32,7 @@ class ChatOptions:
     force_include_usage: bool = False
     return_tokens_as_token_ids: bool = False  # every request's logprob tokens as "token_id:N"
     trust_request_chat_template: bool = False  # a request may bring its own chat template
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
 
 
 class ServingContext:
@@ -88,16 +90,17 @@ class ServingContext:
 
     def truncation(self, req: SamplingFields) -> int | None:
         """The prompt tokens the request's truncate_prompt_tokens keeps (truncation_length, the
-        input processor's rule); 400 naming the field for a value out of range. Checked before
-        any prompt is tokenized, so a bad value costs nothing."""
+        input processor's rule): its last ones, or its first with vLLM's `truncation_side:
+        "right"` (a KeepFirst, which keep_last and `encode` honour); 400 naming the field for a
+        value out of range. Checked before any prompt is tokenized, so a bad value costs nothing."""
         try:
-            return truncation_length(req.truncate_prompt_tokens, self.max_model_len)
+            return truncation_length(req.truncate_prompt_tokens, self.max_model_len, req.truncation_side)
         except ValueError as e:
             raise APIError(str(e), HTTPStatus.BAD_REQUEST, "truncate_prompt_tokens") from None
 
     async def encode(self, text: str, add_special_tokens: bool, keep: int | None = None,
                      param: str | None = "prompt") -> list[int]:
-        """Token ids of a prompt's text, its last `keep` if given (self.truncation). Long texts
+        """Token ids of a prompt's text, truncated to `keep` if given (self.truncation). Long texts
         are tokenized in a worker thread (PromptEncoder.encode_async). A prompt (`param` names
         its field) that cannot fit is a 400 before it is tokenized, unless it is truncated;
         param=None: any length (/tokenize counts tokens of what may not fit)."""

@@ -17,7 +17,13 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from tidal.frontend.entrypoints.openai.disconnect import wait_disconnect
 from tidal.frontend.entrypoints.openai.errors import ErrorResponse, from_exception
-from tidal.frontend.entrypoints.openai.protocol import SamplingFields, StreamHeader, UsageChunk, UsageInfo
+from tidal.frontend.entrypoints.openai.protocol import (
+    SamplingFields,
+    StreamHeader,
+    StreamOptions,
+    UsageChunk,
+    UsageInfo,
+)
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -34,6 +40,20 @@ def sse_error(e: BaseException) -> bytes:
     return sse(error)
 
 
+def should_include_usage(stream_options: StreamOptions | None, force_include_usage: bool) -> tuple[bool, bool]:
+    """(a usage chunk ends the stream, every chunk carries the usage so far), as vLLM's function
+    of that name decides (vllm/entrypoints/serve/utils/api_utils.py): --enable-force-include-usage
+    turns both on, whatever the request says; else `stream_options.include_usage` (false unless
+    sent true, `{}` included), and `continuous_usage_stats` only along with it. A whole
+    (non-streamed) response always carries its usage, with the flag or without."""
+    if force_include_usage:
+        return True, True
+    if stream_options is None:
+        return False, False
+    include_usage = stream_options.usage
+    return include_usage, include_usage and stream_options.continuous
+
+
 class StreamFraming:
     """One stream's chunk framing and usage reporting: `data: {"id":...,"choices":[` before a
     chunk's encoded choice; after it `]}` (`],"usage":null}` when the stream ends with a usage
@@ -41,10 +61,7 @@ class StreamFraming:
 
     def __init__(self, obj: str, request_id: str, model: str, req: SamplingFields, force_usage: bool) -> None:
         self.obj, self.request_id, self.model = obj, request_id, model
-        # --enable-force-include-usage or stream_options.include_usage; continuous_usage_stats
-        # only counts where usage is included at all (as vLLM).
-        self.with_usage = force_usage or (req.stream_options is not None and req.stream_options.usage)
-        self.continuous = self.with_usage and req.stream_options is not None and req.stream_options.continuous
+        self.with_usage, self.continuous = should_include_usage(req.stream_options, force_usage)
         header = _encode(StreamHeader(request_id, obj, int(time.time()), model))
         self.prefix = b"data: " + header[:-1] + b',"choices":['
         self.suffix = b'],"usage":null}\n\n' if self.with_usage else b"]}\n\n"

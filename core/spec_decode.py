@@ -1,0 +1,108 @@
+"""Speculative decoding in the engine core (torch-free): which requests get proposals in a step,
+and the n-gram proposer (vLLM's prompt lookup).
+
+How a step speculates (the whole design; DESIGN.md's Determinism rule makes it exact):
+
+- The scheduler asks `SpecDecoder.propose` for a decoding request (one token to compute, the
+  one sampled last) and schedules it with 1 + k query rows: its last token, then the k
+  proposals (`SchedulerOutput.scheduled_spec_decode_tokens`). They are ordinary query rows of
+  the request in the step's mixed batch, as a prefill chunk's are; their KV is written to the
+  request's own slots (never a shared prefix-cache block: those lie below num_computed_tokens).
+- The worker samples every one of the 1 + k rows with that position's (seed, position) noise
+  and the request's history as if the proposals before the row had been accepted, then keeps
+  the tokens up to and including the first that differs from its proposal (or all k + 1: the
+  bonus token). Row j's sample only counts when proposals 0..j-1 were accepted, and then its
+  inputs are exactly those of decoding one by one: the emitted tokens are the ones decoding
+  without speculation yields (worker/spec_decode.py).
+- The scheduler appends them one by one through the stop checks (EOS, stop ids, max_tokens,
+  max_model_len: a stop inside the run ends the request there), and rolls back the KV of the
+  rejected proposals: num_computed_tokens counts only the rows whose inputs were right, and the
+  blocks that hold nothing but rejected rows go back to the pool (the runner is told to drop
+  them from its table). Only computed positions ever enter the prefix cache.
+
+No proposals (the request decodes one token, as without speculation) for: a structured-output
+request (its grammar would have to check each proposal and roll back), a request with stop
+strings (the front-end finds them in text; until it cuts a step's tokens at the one that
+completes the string, tokens after it would reach the user: `PROPOSE_WITH_STOP_STRINGS`), a
+request the n-gram does not match, and every request of a step that runs
+`disable_by_batch_size` requests or more.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tidal.core.request import Request
+from tidal.protocol.speculative import SpeculativeConfig
+
+# Stop strings are checked on text by the front-end, a whole step's tokens at a time: with
+# several tokens a step, the tokens after the one that completes a stop string would be kept.
+# True once the front-end cuts them (frontend/detokenizer.py + request_state.py).
+PROPOSE_WITH_STOP_STRINGS = False
+
+
+def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's NgramProposer rule: the longest n in [min_n, max_n] whose last-n-token suffix of
+    `tokens` occurs earlier in them (an occurrence may overlap the suffix, not be it); of the
+    occurrences of that n, the earliest; the up to k tokens that follow it. [] when none."""
+    total = len(tokens)
+    if k <= 0 or total < min_n + 1:
+        return []
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n:]
+        # Occurrences start at i with i + n <= total - 1 (so at least one token follows).
+        cand = np.flatnonzero(tokens[: total - n] == suffix[0])
+        for j in range(1, n):
+            if not len(cand):
+                break
+            cand = cand[tokens[cand + j] == suffix[j]]
+        if len(cand):
+            start = int(cand[0]) + n
+            return tokens[start: start + k].tolist()
+    return []
+
+
+class SpecDecoder:
+    """The scheduler's proposer and its counters (vLLM's spec_decode_* metric names)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        # Cumulative, as vLLM's SpecDecodingStats: requests given proposals (one draft each per
+        # step), proposals made, proposals accepted, and acceptances by proposal position.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * self.k
+
+    def step_enabled(self, num_running: int) -> bool:
+        """Whether any request gets proposals in a step that runs `num_running` requests."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Proposals for a decoding request (its last token is the one to compute): at most
+        `max_tokens`, none past what the request may still emit (max_tokens, max_model_len)."""
+        k = min(self.k, max_tokens,
+                request.max_tokens - request.num_output_tokens - 1,  # the bonus token is the last allowed
+                self.max_model_len - 1 - request.num_tokens)
+        if k <= 0 or not eligible(request):
+            return []
+        cfg = self.config
+        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        return ngram_propose(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+
+def eligible(request: Request) -> bool:
+    """Whether speculation can be verified exactly for this request (see the module's list)."""
+    if request.structured_output_request is not None:
+        return False
+    return PROPOSE_WITH_STOP_STRINGS or not request.sampling_params.stop

@@ -1,0 +1,1 @@
+"""vLLM's `vllm.transformers_utils` package path (tokenizer.get_tokenizer)."""

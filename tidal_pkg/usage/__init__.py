@@ -1,0 +1,1 @@
+"""vLLM's `vllm.usage` package path (usage_lib.UsageContext)."""
