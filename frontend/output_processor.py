@@ -280,9 +280,18 @@ class OutputProcessor:
 
     @staticmethod
     def _finished(state: RequestState, reason: str, step: Step | None) -> None:
-        if step is not None and state.stats is not None:
+        if step is None or state.stats is None:
+            return
+        parent = state.parent
+        if parent is None:
             step.stats.update_from_finished_request(reason, len(state.prompt_token_ids), state.max_tokens,
                                                     state.stats, state.num_cached_tokens)
+            return
+        last = parent.finish_stats(state.stats.num_generation_tokens)
+        step.stats.update_from_finished_request(
+            reason, len(state.prompt_token_ids), state.max_tokens, state.stats, state.num_cached_tokens,
+            n_param=parent.sampling_params.n, group_finished=last,
+            group_max_generation_tokens=parent.max_generation_tokens)
 
     def _drop(self, state: RequestState) -> None:
         self.request_states.pop(state.request_id, None)

@@ -12,12 +12,23 @@ class ParentRequest:
     """An n > 1 request fanned out to n children `f"{index}_{parent_id}"`, child i seeded
     `seed + i`; aggregates their CompletionOutputs under the parent's id."""
 
-    __slots__ = ("request_id", "sampling_params", "child_requests", "output_aggregator")
+    __slots__ = ("request_id", "sampling_params", "child_requests", "output_aggregator", "stats_left",
+                 "max_generation_tokens")
 
     def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
         self.request_id, self.sampling_params = request_id, sampling_params
         self.child_requests: set[str] = set()  # children not finished yet
         self.output_aggregator: list[CompletionOutput | None] = [None] * sampling_params.n
+        # Stats, per user request as vLLM's request_params_n / request_max_num_generation_tokens:
+        # children whose finish is not recorded yet, and the most tokens a recorded one made.
+        self.stats_left = sampling_params.n
+        self.max_generation_tokens = 0
+
+    def finish_stats(self, num_generation_tokens: int) -> bool:
+        """Count one child's finish in the stats; whether it was the last (the parent's turn)."""
+        self.stats_left -= 1
+        self.max_generation_tokens = max(self.max_generation_tokens, num_generation_tokens)
+        return self.stats_left == 0
 
     def make_children(self, request: EngineCoreRequest) -> list[EngineCoreRequest]:
         """The n child `EngineCoreRequest`s of the parent's (processed) request: copies of it

@@ -261,6 +261,20 @@ def test_counts_are_vllms_expected_values(server: Server) -> None:
     wait_for(lambda: _idle(server), 30, "the gauges to show an idle engine")  # the core's next stats
 
 
+def test_an_n_request_is_one_sample_of_n_through_the_server(server: Server) -> None:
+    """The output processor wires n > 1 requests as vLLM does: one request_params_n sample of n
+    and one request_max_num_generation_tokens sample per user request, when its last child ends."""
+    names = ("vllm:request_params_n_count", "vllm:request_params_n_sum",
+             "vllm:request_max_num_generation_tokens_count", "vllm:request_max_num_generation_tokens_sum",
+             "vllm:request_params_max_tokens_count")
+    before = parse_metrics(_scrape(server))
+    res = server.client().completions.create(model="tiny", prompt=[7, 8, 9], n=3, max_tokens=6,
+                                             extra_body={"ignore_eos": True})
+    assert len(res.choices) == 3 and res.usage.completion_tokens == 18
+    after = parse_metrics(_scrape(server))
+    assert [after[k] - before[k] for k in names] == [1, 3, 1, 6, 3]
+
+
 def _idle(server: Server) -> bool:
     m = parse_metrics(_scrape(server))
     return m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0 and \
