@@ -81,6 +81,12 @@ class FrontEnd(Generic[C]):
                 stat_loggers=[make(self.vllm_config, 0) for make in stat_loggers], vllm_config=self.vllm_config)
 
     @property
+    def logger_manager(self) -> EngineMetrics | None:
+        """vLLM's attribute (its StatLoggerManager): what records the stats and runs the stat
+        loggers (`record`, `log`, `log_engine_initialized`); None with stats off."""
+        return self.metrics
+
+    @property
     def model_config(self) -> ModelConfig:
         return self.vllm_config.model_config
 

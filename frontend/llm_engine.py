@@ -117,6 +117,12 @@ class LLMEngine(FrontEnd[InprocClient | SyncMPClient]):
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self._abort_silently(self._request_ids.fixed(rid) for rid in ids)
 
+    def do_log_stats(self) -> None:
+        """vLLM's: every stat logger logs now (the one-line summary, the user's loggers);
+        nothing with stats off."""
+        if self.metrics is not None:
+            self.metrics.log()
+
     @property
     def cache_config(self) -> CacheConfig:
         return self.vllm_config.cache_config

@@ -496,6 +496,10 @@ def test_vllm_stat_logger_runs_unchanged_in_llm_engine(long_model_dir: str) -> N
         assert not engine.has_unfinished_requests()
         (stat_logger,) = counting.instances
         _check_counting_logger(stat_logger, prompt_lens, max_tokens)
+        logged = stat_logger.logs
+        assert engine.logger_manager is engine.metrics is not None  # vLLM's attribute
+        engine.do_log_stats()  # vLLM's: every logger logs now
+        assert stat_logger.logs == logged + 1
     finally:
         engine.shutdown()
 
