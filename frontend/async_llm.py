@@ -143,7 +143,10 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         lost with no restart left or restarts off: max_core_restarts=0). While a lost core is
         being replaced, EngineRestartingError (an EngineDeadError: a health endpoint answers
         503 meanwhile) -- and the restart is set going if nothing else had (a core lost while
-        no stream was open). Passes again once the new core answered."""
+        no stream was open). Passes again once the new core answered. Reads `errored` as
+        vLLM's does (its test patches that property)."""
+        if self.errored:
+            raise EngineDeadError(str(self.dead_error))
         self._check_alive()
         supervisor = self.engine_core.supervisor
         if supervisor.restarting:

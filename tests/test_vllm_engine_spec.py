@@ -305,6 +305,22 @@ async def _health_status(engine: AsyncLLM) -> int:
         ctx.close()
 
 
+async def test_check_health_reads_errored_as_vllms_test_patches_it(tiny_model_dir: str) -> None:
+    """vLLM's tests/v1/engine/test_async_llm.py::test_check_health: healthy, then dead while
+    `errored` is patched to True, then healthy again."""
+    from unittest.mock import patch
+
+    engine = AsyncLLM(model=tiny_model_dir, max_model_len=128)
+    try:
+        await engine.check_health()
+        with patch.object(type(engine), "errored", new_callable=lambda: property(lambda self: True)):
+            with pytest.raises(EngineDeadError):
+                await engine.check_health()
+        await engine.check_health()
+    finally:
+        engine.shutdown()
+
+
 async def _vllm_health_status(engine: AsyncLLM) -> int:
     """vLLM's /health route: 200, or 503 for EngineDeadError."""
     try:
