@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from tidal.frontend.beam_search import beam_search
 from tidal.frontend.chat_utils import check_chat_options, render_chat, resolve_chat_template
@@ -35,6 +37,19 @@ __all__ = ["LLM", "LLMEngine"]
 
 
 class LLM:
+    # vLLM's switch for warnings on its legacy generate()/encode() arguments; tidal has no
+    # legacy API to warn about, so the flag only records what the caller asked for.
+    DEPRECATE_LEGACY: ClassVar[bool] = False
+
+    @classmethod
+    @contextmanager
+    def deprecate_legacy_api(cls) -> Iterator[None]:
+        cls.DEPRECATE_LEGACY = True
+        try:
+            yield
+        finally:
+            cls.DEPRECATE_LEGACY = False
+
     def __init__(self, model: str, *, multiprocessing: bool | None = None, **kwargs: Any) -> None:
         """`kwargs` are vLLM's engine args (EngineArgs fields); a misspelt name is a TypeError
         suggesting the right one. As vLLM's LLM, stats are off unless disable_log_stats=False.

@@ -299,3 +299,28 @@ def test_vllm_module_paths_and_cli_parser(tiny_model_dir: str) -> None:
         False, 96, 32)
     text = "def f(x): return x + 1"
     assert get_tokenizer(tiny_model_dir).encode(text) == AutoTokenizer.from_pretrained(tiny_model_dir).encode(text)
+
+
+def test_model_config_platform_and_legacy_flag_at_vllm_paths(tiny_model_dir: str) -> None:
+    """vLLM's tests make a ModelConfig on its own from engine args, ask
+    vllm.platforms.current_platform for the device, and wrap their LLM fixture in
+    LLM.deprecate_legacy_api(); each works at tidal's path."""
+    import torch
+
+    from tidal import LLM
+    from tidal.config import ModelConfig
+    from tidal.platforms import current_platform
+
+    mc = ModelConfig(model=tiny_model_dir, tokenizer=tiny_model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                     seed=0, max_model_len=96)
+    assert (mc.model, mc.max_model_len, mc.seed, mc.dtype, mc.skip_tokenizer_init) == (
+        tiny_model_dir, 96, 0, torch.bfloat16, True)
+    with pytest.raises(TypeError, match="max_modle_len"):
+        ModelConfig(model=tiny_model_dir, max_modle_len=96)
+    assert current_platform.is_cuda() == torch.cuda.is_available() != current_platform.is_cpu()
+    assert current_platform.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert not current_platform.is_rocm()
+    assert LLM.DEPRECATE_LEGACY is False
+    with LLM.deprecate_legacy_api():
+        assert LLM.DEPRECATE_LEGACY is True
+    assert LLM.DEPRECATE_LEGACY is False

@@ -528,6 +528,36 @@ class TestCorrectDecodedToken:
         assert correct_decoded_token(lambda ids: tok.decode(ids), 48, [1385, 44]) == " \u201c"
 
 
+class TestLogprobsProcessorPath:
+    """vLLM's test class drives `LogprobsProcessor._correct_decoded_token` with a Mock
+    tokenizer: the same cases through tidal's class at vLLM's module path."""
+
+    @staticmethod
+    def processor(table: dict[tuple[int, ...], str], default: str = R) -> Any:
+        from unittest.mock import Mock
+
+        from tidal.v1.engine.logprobs import LogprobsProcessor
+
+        tokenizer = Mock()
+        tokenizer.decode.side_effect = lambda ids: table.get(tuple(ids), default)
+        return LogprobsProcessor(tokenizer=tokenizer, logprobs=[], prompt_logprobs=None, cumulative_logprob=0.0,
+                                 num_logprobs=1, num_prompt_logprobs=None)
+
+    def test_correction_with_context(self) -> None:
+        p = self.processor({(1,): "hello ", (1, 2): "hello valid"})
+        assert p._correct_decoded_token(2, [1]) == "valid"
+
+    def test_no_context_and_all_attempts_failing_give_empty(self) -> None:
+        assert self.processor({})._correct_decoded_token(100, []) == ""
+        p = self.processor({}, default="still" + R)
+        assert p._correct_decoded_token(102, [100, 101]) == ""
+        p.tokenizer.decode.assert_any_call([100, 101, 102])
+
+    def test_byte_fallback_context_text_goes_with_the_completing_token(self) -> None:
+        table = {(44,): " " + R, (1385,): " term", (44, 48): " \u201c" + R, (1385, 44, 48): " term \u201c"}
+        assert self.processor(table)._correct_decoded_token(48, [1385, 44]) == " \u201c"
+
+
 def _byte_symbol(b: int) -> str:
     """The GPT-2 byte-to-unicode symbol of byte `b` (what ByteLevel tokens are spelt in)."""
     return bytes_to_unicode()[b]
