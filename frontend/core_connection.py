@@ -29,7 +29,7 @@ from tidal.protocol.messages import (
     UtilityRequest,
     decode_utility_result,
 )
-from tidal.utils.curve import HANDSHAKE_REFUSED, client_curve_options
+from tidal.utils.curve import HANDSHAKE_REFUSED, HandshakeWatch, client_curve_options
 from tidal.utils.deadline import Deadline
 from tidal.utils.zmq_utils import MAX_MESSAGE_BYTES, Heartbeat, make_socket
 
@@ -69,11 +69,17 @@ class MPClientBase:
         else:
             self.address = self.config.core_address
         self.identity = b"tidal-fe-" + uuid.uuid4().bytes
+        curve = client_curve_options(self.config)  # a keyed headless core
+        self._handshake_watch: HandshakeWatch | None = None
+
+        def watch(sock: zmq.Socket) -> None:  # a headless core may refuse this front-end's key
+            self._handshake_watch = HandshakeWatch(self.ctx, sock, keyed=curve is not None)
+
         # ZMTP heartbeats drop the connection to a core whose process or host froze or
         # vanished; the watcher turns that into a lost core (restart) or EngineDeadError.
         self.sock = make_socket(self.ctx, self.address, zmq.DEALER, bind=False, identity=self.identity,
-                                heartbeat=Heartbeat(self.config.heartbeat_timeout_s),
-                                curve=client_curve_options(self.config))  # a keyed headless core
+                                heartbeat=Heartbeat(self.config.heartbeat_timeout_s), curve=curve,
+                                before_connect=watch if self.config.core_address is not None else None)
 
     # ---------------------------------------------------------------- handshake
     def wait_ready(self) -> ResolvedEngineInfo:
@@ -91,11 +97,22 @@ class MPClientBase:
         return self.info
 
     def _handshake(self, sock: zmq.Socket, timeout_s: float | None = None) -> ResolvedEngineInfo:
+        watch, self._handshake_watch = self._handshake_watch, None
+        try:
+            return self._await_hello(sock, timeout_s, watch)
+        finally:
+            if watch is not None:  # before the core watcher puts its own monitor on the socket
+                watch.close(sock)
+
+    def _await_hello(self, sock: zmq.Socket, timeout_s: float | None, watch: HandshakeWatch | None
+                     ) -> ResolvedEngineInfo:
         call_id = next(self._call_ids)
         try:  # never blocks: see curve.HANDSHAKE_REFUSED
             sock.send_multipart([UTILITY, *self._encoder.encode(UtilityRequest(call_id, HELLO))], zmq.NOBLOCK)
-        except zmq.Again:
-            raise RuntimeError(f"engine core failed to start: {self.address} {HANDSHAKE_REFUSED}") from None
+        except zmq.Again:  # the handshake failed already: its event says which key is wrong
+            problem = watch.problem(wait_s=0.5) if watch is not None else None
+            raise RuntimeError(f"engine core failed to start: the core at {self.address} "
+                               f"{problem or HANDSHAKE_REFUSED}") from None
         if timeout_s is None:
             timeout_s = self.config.engine_start_timeout_s
         deadline = Deadline(timeout_s)
@@ -120,6 +137,8 @@ class MPClientBase:
                                            f"read ({e})") from None
                     return info
                 continue
+            if watch is not None and (problem := watch.problem()) is not None:
+                raise RuntimeError(f"engine core failed to start: the core at {self.address} {problem}")
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"engine core failed to start: {self.process.startup_error()}")
             if self.supervisor.error is not None:  # shutdown() during a restart's handshake

@@ -124,6 +124,61 @@ def load_key_file(path: str, *, server: bool) -> CoreKey:
     return CoreKey(**keys)  # type: ignore[arg-type]
 
 
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class HandshakeWatch:
+    """The ZMTP handshake events of a front-end's DEALER to a headless core, read while it waits
+    for the core's answer to HELLO. A core that refuses the front-end's key never answers
+    anything, so without these the front-end could only time out; with them it says at once
+    which key is wrong. Attach before connect (events before the monitor are lost); `close`
+    before another monitor (the core watcher's) is put on the socket."""
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, keyed: bool) -> None:
+        self._keyed = keyed
+        addr = f"inproc://tidal-handshake-{id(self):x}"
+        sock.monitor(addr, HANDSHAKE_EVENTS)
+        # A plain socket on the same libzmq context (the owner's may be a zmq.asyncio one).
+        self._mon: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+        self._mon.setsockopt(zmq.LINGER, 0)
+        self._mon.connect(addr)
+
+    def problem(self, wait_s: float = 0.0) -> str | None:
+        """Why the core refused this front-end (words naming the key to fix), or None so far
+        (waiting up to `wait_s` for the first event)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        timeout_ms = int(wait_s * 1000)
+        while self._mon.poll(timeout_ms):
+            timeout_ms = 0
+            msg = recv_monitor_message(self._mon)
+            event, value = msg["event"], int(msg["value"])
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return ("refused this front-end's CURVE key: core_key_file must be a copy of the key file the "
+                        "core runs with (`tidal core --key-file FILE`)")
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._keyed:
+                return ("failed the CURVE handshake: the server key in core_key_file is not this core's key "
+                        "(core_key_file must be a copy of the key file the core runs with)")
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                return ("is not keyed, and this front-end offered a CURVE key (core_key_file): drop "
+                        "core_key_file, or start the core with --key-file FILE" if self._keyed else
+                        "is keyed (CURVE) and this front-end has no key: pass core_key_file=FILE, a copy of "
+                        "the core's key file")
+            if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                return f"failed the ZMTP handshake (protocol error {value:#x}): is this a tidal engine core?"
+        return None
+
+    def close(self, sock: zmq.Socket) -> None:
+        """Stop the monitor, then close its reader: libzmq's IO thread sends monitor events
+        with a blocking send, so a reader closed first could hang every socket of the context."""
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._mon.close(linger=0)
+
+
 def server_curve(key: CoreKey) -> Curve:
     assert key.server_secret_key is not None
     return Curve(key.server_public_key, key.server_secret_key)

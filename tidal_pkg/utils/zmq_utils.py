@@ -12,7 +12,7 @@ import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import zmq
 
@@ -108,11 +108,12 @@ class Heartbeat:
 def make_socket(
     ctx: zmq.Context, address: str, socket_type: int, *, bind: bool, identity: bytes | None = None,
     linger_ms: int = 0, heartbeat: Heartbeat | None = None, max_message_bytes: int | None = None,
-    curve: Curve | None = None,
+    curve: Curve | None = None, before_connect: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
     """Every option is set before bind/connect: libzmq applies options to a connection when
     it is made, so one set afterwards never reaches it. `curve`: CURVE security (see
-    tidal_pkg/utils/curve.py), server side when binding a keyed core, client side when connecting."""
+    tidal_pkg/utils/curve.py), server side when binding a keyed core, client side when connecting.
+    `before_connect(sock)`: runs last before bind/connect (a monitor that must see every event)."""
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
@@ -127,6 +128,8 @@ def make_socket(
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if curve is not None:
             curve.apply(sock)
+        if before_connect is not None:
+            before_connect(sock)
         if bind:
             sock.bind(validate_address(address))
         else:
