@@ -114,6 +114,13 @@ class Request:
         # Blocks dropped from the tail of its table (they held only rejected speculative rows)
         # since the runner last saw it; sent with the next CachedRequestData, then 0.
         self.num_dropped_blocks: int = 0
+        # Speculative decoding's adaptive proposal count (core/spec_decode.SpecDecoder): the
+        # most proposals its next step gets (None: the configured k), the steps it sits out
+        # after drafts of which nothing was accepted, and how long the next sit-out is.
+        self.spec_k: int | None = None
+        self.spec_misses: int = 0
+        self.spec_skip: int = 0
+        self.spec_backoff: int = 0
         # Prompt-logprob rows already sent: a request preempted mid-prefill recomputes its
         # prompt, and those rows must not reach the user twice.
         self.num_prompt_logprobs_sent: int = 0

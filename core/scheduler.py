@@ -355,7 +355,7 @@ class Scheduler:
             num_accepted = min(max(len(new_token_ids) - 1, 0), len(proposals))
             num_rejected = len(proposals) - num_accepted
             if new_token_ids and self.spec is not None:
-                self.spec.record(len(proposals), num_accepted)
+                self.spec.record(len(proposals), num_accepted, request)
         request.num_computed_tokens = start + num_tokens - num_rejected
         if start < request.num_prompt_tokens:
             self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - start

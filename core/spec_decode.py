@@ -20,12 +20,21 @@ How a step speculates (the whole design; DESIGN.md's Determinism rule makes it e
   blocks that hold nothing but rejected rows go back to the pool (the runner is told to drop
   them from its table). Only computed positions ever enter the prefix cache.
 
+A draft model (method "draft_model") proposes in the worker, not here: the scheduler gives
+such a request k rows of DRAFT_PENDING, and the worker's drafter (worker/draft_model.py) fills
+them with the draft's tokens before the target's forward pass of the same step. The core
+counts acceptance from how many tokens come back, so it never needs their values.
+
+It pays or it steps aside (the proposals only decide speed, never tokens): each request's
+proposal count adapts to what it had accepted -- one more than its last draft's accepted run,
+up to k -- and a request whose last MISS_LIMIT drafts had nothing accepted sits out a number
+of steps (doubling, up to MAX_BACKOFF) before it tries again. A whole step speculates not at
+all from disable_by_batch_size running requests on.
+
 No proposals (the request decodes one token, as without speculation) for: a structured-output
-request (its grammar would have to check each proposal and roll back), a request with stop
-strings (the front-end finds them in text; until it cuts a step's tokens at the one that
-completes the string, tokens after it would reach the user: `PROPOSE_WITH_STOP_STRINGS`), a
-request the n-gram does not match, and every request of a step that runs
-`disable_by_batch_size` requests or more.
+request (its grammar would have to check each proposal and roll back), a request the n-gram
+does not match, and every request of a step that runs `disable_by_batch_size` requests or more.
+Stop strings are the front-end's: it cuts a step's tokens at the one that completes one.
 """
 from __future__ import annotations
 
@@ -34,10 +43,17 @@ import numpy as np
 from tidal.core.request import Request
 from tidal.protocol.speculative import SpeculativeConfig
 
-# Stop strings are checked on text by the front-end, a whole step's tokens at a time: with
-# several tokens a step, the tokens after the one that completes a stop string would be kept.
-# True once the front-end cuts them (frontend/detokenizer.py + request_state.py).
-PROPOSE_WITH_STOP_STRINGS = False
+# Stop strings are checked on text by the front-end: with several tokens a step, it ends the
+# output at the token that completes one (IncrementalDetokenizer.step_tokens), so requests with
+# stop strings speculate too.
+PROPOSE_WITH_STOP_STRINGS = True
+
+# A proposal slot the worker's draft model fills (never a token id: ids are >= 0).
+DRAFT_PENDING = -1
+# Drafts in a row with nothing accepted before a request sits out; its first and longest sit-out.
+MISS_LIMIT = 3
+FIRST_BACKOFF = 8
+MAX_BACKOFF = 64
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -83,22 +99,41 @@ class SpecDecoder:
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Proposals for a decoding request (its last token is the one to compute): at most
         `max_tokens`, none past what the request may still emit (max_tokens, max_model_len)."""
-        k = min(self.k, max_tokens,
+        if request.spec_skip > 0:  # sitting out after drafts that were all rejected
+            request.spec_skip -= 1
+            return []
+        k = min(self.k if request.spec_k is None else request.spec_k, max_tokens,
                 request.max_tokens - request.num_output_tokens - 1,  # the bonus token is the last allowed
                 self.max_model_len - 1 - request.num_tokens)
         if k <= 0 or not eligible(request):
             return []
         cfg = self.config
+        if cfg.method == "draft_model":
+            return [DRAFT_PENDING] * k
         tokens = np.asarray(request.all_token_ids, dtype=np.int64)
         return ngram_propose(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
 
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record(self, num_draft_tokens: int, num_accepted: int, request: Request | None = None) -> None:
+        """Count a verified draft, and adapt `request`'s next proposal count to it."""
+        if request is not None:
+            self._adapt(request, num_draft_tokens, num_accepted)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         per_pos = self.num_accepted_tokens_per_pos
         for i in range(num_accepted):
             per_pos[i] += 1
+
+
+    def _adapt(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        request.spec_k = min(self.k, num_accepted + 1)
+        if num_accepted:
+            request.spec_misses, request.spec_backoff = 0, 0
+            return
+        request.spec_misses += 1
+        if request.spec_misses >= MISS_LIMIT:
+            request.spec_backoff = min(MAX_BACKOFF, 2 * request.spec_backoff or FIRST_BACKOFF)
+            request.spec_skip, request.spec_misses = request.spec_backoff, 0
 
 
 def eligible(request: Request) -> bool:

@@ -134,6 +134,22 @@ class IncrementalDetokenizer:
         self._held = pending[end:]
         return pending[:end], found
 
+    def step_tokens(self, new_token_ids: list[int], finish: FinishReason | None) -> tuple[str, str | None, int]:
+        """`step`, but a stop string that a step of several tokens completes before its last
+        token ends the output at the token that completes it, as decoding one token a step
+        would (speculative decoding emits several): (text, stop string, tokens used)."""
+        if not self._stop or len(new_token_ids) < 2:
+            text, found = self.step(new_token_ids, finish)
+            return text, found, len(new_token_ids)
+        parts: list[str] = []
+        last = len(new_token_ids) - 1
+        for j, token in enumerate(new_token_ids):
+            text, found = self.step([token], finish if j == last else None)
+            parts.append(text)
+            if found is not None:
+                return "".join(parts), found, j + 1
+        return "".join(parts), None, len(new_token_ids)
+
     @staticmethod
     def from_request(tokenizer: Any | None, request: EngineCoreRequest) -> "IncrementalDetokenizer":
         params = request.sampling_params

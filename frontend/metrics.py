@@ -125,6 +125,7 @@ class LoggingStatLogger(StatLoggerBase):
         self.prefix_cache_hit_rate = 0.0
         self.engine_is_idle = True
         self.last_line = ""
+        self.last_spec_line = ""  # the SpecDecoding line of the last interval ("" without drafts)
         self._deltas: dict[int, CoreCounterDeltas] = {}
         self._reset(time.monotonic() if now is None else now)
 
@@ -139,6 +140,7 @@ class LoggingStatLogger(StatLoggerBase):
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec = SpecDecodingInterval()
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                mm_cache_stats: object | None = None, engine_idx: int = 0) -> None:
@@ -150,6 +152,7 @@ class LoggingStatLogger(StatLoggerBase):
             self.num_preemptions += deltas["num_preemptions"]
             self.prefix_cache_queries += deltas["prefix_cache_queries"]
             self.prefix_cache_hits += deltas["prefix_cache_hits"]
+            self.spec.add(deltas, self._deltas[engine_idx].accepted_per_pos)
             if not self.aggregated:
                 self.last_scheduler_stats = scheduler_stats
 
@@ -169,8 +172,13 @@ class LoggingStatLogger(StatLoggerBase):
         self.last_prompt_throughput, self.last_generation_throughput = prompt_tp, generation_tp
         self.aggregate_scheduler_stats()
         self.last_line = self._format_line(prompt_tp, generation_tp)
+        # vLLM's second line when speculation ran in the interval (its SpecDecodingLogging)
+        self.last_spec_line = self.spec.line(self.log_prefix, elapsed)
         self._reset(now)
-        logger.log(logging.DEBUG if self.engine_is_idle else logging.INFO, "%s", self.last_line)
+        level = logging.DEBUG if self.engine_is_idle else logging.INFO
+        logger.log(level, "%s", self.last_line)
+        if self.last_spec_line:
+            logger.log(level, "%s", self.last_spec_line)
 
     def _format_line(self, prompt_tp: float, generation_tp: float) -> str:
         stats = self.last_scheduler_stats
@@ -187,6 +195,37 @@ class LoggingStatLogger(StatLoggerBase):
         if num_gpu_blocks := _num_gpu_blocks(self.vllm_config):
             logger.debug("%svllm cache_config_info with initialization after num_gpu_blocks is: %d",
                          self.log_prefix, num_gpu_blocks)
+
+
+class SpecDecodingInterval:
+    """Speculative decoding over one logging interval, as vLLM's SpecDecodingLogging words it."""
+
+    def __init__(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
+
+    def add(self, deltas: dict[str, int], accepted_per_pos: list[int]) -> None:
+        self.num_drafts += deltas["spec_decode_num_drafts"]
+        self.num_draft_tokens += deltas["spec_decode_num_draft_tokens"]
+        self.num_accepted_tokens += deltas["spec_decode_num_accepted_tokens"]
+        for i, n in enumerate(accepted_per_pos):
+            if i == len(self.accepted_per_pos):
+                self.accepted_per_pos.append(0)
+            self.accepted_per_pos[i] += n
+
+    def line(self, prefix: str, elapsed: float) -> str:
+        """"" when nothing was drafted in the interval."""
+        if not self.num_drafts:
+            return ""
+        per_s = 1 / elapsed if elapsed > 0 else 0.0
+        rates = ", ".join(f"{n / self.num_drafts:.3f}" for n in self.accepted_per_pos)
+        return (f"{prefix}SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + self.num_accepted_tokens / self.num_drafts:.2f}, "
+                f"Accepted throughput: {self.num_accepted_tokens * per_s:.2f} tokens/s, "
+                f"Drafted throughput: {self.num_draft_tokens * per_s:.2f} tokens/s, "
+                f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {rates}, "
+                f"Avg Draft acceptance rate: {100 * self.num_accepted_tokens / max(self.num_draft_tokens, 1):.1f}%")
 
 
 class AggregatedLoggingStatLogger(LoggingStatLogger, AggregateStatLoggerBase):

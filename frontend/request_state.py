@@ -6,18 +6,28 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import msgspec
+
 from tidal.frontend.detokenizer import IncrementalDetokenizer, LogprobsAccumulator, TokenTexts
 from tidal.frontend.metrics_stats import IterationStats
 from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.parallel_sampling import ParentRequest
 from tidal.frontend.recovery import ResumeRecord
-from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsArrays
 from tidal.protocol.outputs import CompletionOutput, RequestStateStats
 from tidal.protocol.sampling_params import RequestOutputKind
 
 _FINISH_STR = {r: str(r) for r in FinishReason}
 _STOP_STR = str(FinishReason.STOP)
 _NO_LOGPROBS: tuple[None, None] = (None, None)
+
+
+def _first_tokens(out: EngineCoreOutput, n: int) -> EngineCoreOutput:
+    """`out` with its first `n` new tokens only (and their logprobs)."""
+    lp = out.new_logprobs
+    if lp is not None:
+        lp = LogprobsArrays(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n])
+    return msgspec.structs.replace(out, new_token_ids=out.new_token_ids[:n], new_logprobs=lp)
 
 
 class RequestState:
@@ -63,13 +73,16 @@ class RequestState:
         new_ids, finish = out.new_token_ids, out.finish_reason
         resume = self.resume
         resume.started = True  # any output: this core started it (see ResumeRecord)
+        text, stop_str, used = self.detokenizer.step_tokens(new_ids, finish)
+        if used < len(new_ids):  # a stop string inside a speculative run: the tokens after it go
+            out = _first_tokens(out, used)
+            new_ids = out.new_token_ids
         if new_ids and not self._keeps_token_ids:
             self.generated.extend(new_ids)
         if out.new_prompt_logprobs is not None:
             resume.num_prompt_lp_rows += len(out.new_prompt_logprobs.ranks)
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
-        text, stop_str = self.detokenizer.step(new_ids, finish)
         if self.logprobs is not None:
             self.logprobs.add(out)
         if self.stats is not None and step is not None:

@@ -9,8 +9,11 @@ decide how many tokens a step yields.
 Implemented: `method="ngram"` (prompt lookup: vLLM's NgramProposer rule, core/spec_decode.py)
 with vLLM's keys and defaults: `num_speculative_tokens` (required), `prompt_lookup_max` /
 `prompt_lookup_min` (both unset: 5 and 5; one unset: the other's value), and
-`disable_by_batch_size` (no proposals in a step while that many requests or more run). Other
-methods (draft models, EAGLE, MTP, medusa, suffix) are refused, naming the method.
+`disable_by_batch_size` (no proposals in a step while that many requests or more run); and a
+draft model (`{"model": PATH, "num_speculative_tokens": k}`, method `"draft_model"` as vLLM
+infers it), run in the target's workers and sampled with the target's (seed, position) noise
+(worker/draft_model.py). Other methods (EAGLE, MTP, medusa, suffix) are refused, naming the
+method.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ _NGRAM_IRRELEVANT_DEFAULTS: dict[str, Any] = {
 }
 _IMPLEMENTED_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                      "disable_by_batch_size")
-IMPLEMENTED_METHODS = ("ngram",)
+IMPLEMENTED_METHODS = ("ngram", "draft_model")
 _NGRAM_DEFAULT_LOOKUP = 5  # vLLM's, when neither prompt_lookup_min nor prompt_lookup_max is given
 
 
@@ -48,11 +51,15 @@ class SpeculativeConfig:
     # vLLM's: speculation steps aside (no proposals) in a step while this many requests or more
     # run (verification is then no longer nearly free). None: never.
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model's checkpoint directory (method "draft_model")
 
     def __post_init__(self) -> None:
         if self.method not in IMPLEMENTED_METHODS:
             raise ValueError(_refusal(self.method))
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if (self.method == "draft_model") != isinstance(self.model, str) or self.model == "":
+            raise ValueError("speculative_config: a draft model (method 'draft_model') needs model=PATH, "
+                             "and only it takes one")
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -87,16 +94,20 @@ class SpeculativeConfig:
                              f"{', '.join(repr(m) for m in IMPLEMENTED_METHODS)}) or a model")
         if method not in IMPLEMENTED_METHODS:
             raise ValueError(_refusal(method))
-        if model not in (None, "ngram", "[ngram]"):
+        draft = method == "draft_model"
+        if not draft and model not in (None, "ngram", "[ngram]"):
             raise ValueError(f"speculative_config: method {method!r} takes no draft model, got model={model!r}")
+        if draft and not (isinstance(model, str) and model):
+            raise ValueError("speculative_config: method 'draft_model' needs model (the draft checkpoint's path)")
         for key in _DRAFT_MODEL_KEYS:
             if value.get(key) is not None:
-                raise ValueError(f"speculative_config: {key} applies to draft-model speculation, which "
-                                 f"tidal does not support yet (method {method!r} has no draft model)")
-        for key, default in _NGRAM_IRRELEVANT_DEFAULTS.items():
-            if key in value and value[key] != default:
-                raise ValueError(f"speculative_config: {key}={value[key]!r} is not supported: tidal verifies "
-                                 "proposals by exact match with the target's own sample, so outputs never change")
+                raise ValueError(f"speculative_config: {key} is not supported: tidal runs the draft model "
+                                 "with the target's dtype, tensor parallelism and context length" if draft else
+                                 f"speculative_config: {key} applies to draft-model speculation (method "
+                                 f"{method!r} has no draft model)")
+        for key in ("prompt_lookup_max", "prompt_lookup_min") if draft else ():
+            if value.get(key) is not None:
+                raise ValueError(f"speculative_config: {key} applies to n-gram speculation, not to a draft model")
         k = value.get("num_speculative_tokens")
         if k is None:
             raise ValueError("speculative_config: speculative decoding needs num_speculative_tokens "
@@ -109,7 +120,7 @@ class SpeculativeConfig:
         elif hi is None:
             hi = lo
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
-                   disable_by_batch_size=value.get("disable_by_batch_size"))
+                   disable_by_batch_size=value.get("disable_by_batch_size"), model=model if draft else None)
 
 
 def _refusal(method: object) -> str:

@@ -288,6 +288,29 @@ def test_log_line_throughput_over_interval(caplog: pytest.LogCaptureFixture) -> 
     assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO, logging.DEBUG]
 
 
+def test_spec_decoding_line_over_interval() -> None:
+    """vLLM's SpecDecoding line: the interval's drafts (the core's cumulative counters turned
+    into increments), mean acceptance length 1 + accepted / drafts, per-position rates."""
+    stat_logger = LoggingStatLogger(now=0.0)
+    stat_logger.record(SchedulerStats(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
+                                      spec_decode_num_accepted_tokens=30,
+                                      spec_decode_num_accepted_tokens_per_pos=[10, 9, 7, 4]), None)
+    stat_logger.log(now=10.0)
+    assert stat_logger.last_spec_line == (
+        "Engine 000: SpecDecoding metrics: Mean acceptance length: 4.00, Accepted throughput: 3.00 tokens/s, "
+        "Drafted throughput: 4.00 tokens/s, Accepted: 30 tokens, Drafted: 40 tokens, Per-position acceptance "
+        "rate: 1.000, 0.900, 0.700, 0.400, Avg Draft acceptance rate: 75.0%")
+    stat_logger.record(SchedulerStats(spec_decode_num_drafts=14, spec_decode_num_draft_tokens=48,
+                                      spec_decode_num_accepted_tokens=31,
+                                      spec_decode_num_accepted_tokens_per_pos=[11, 9, 7, 4]), None)
+    stat_logger.log(now=20.0)  # 4 drafts of 8 tokens, 1 accepted
+    assert "Mean acceptance length: 1.25" in stat_logger.last_spec_line
+    assert "Per-position acceptance rate: 0.250, 0.000, 0.000, 0.000, Avg Draft acceptance rate: 12.5%" in (
+        stat_logger.last_spec_line)
+    stat_logger.log(now=30.0)
+    assert stat_logger.last_spec_line == ""  # nothing drafted: no line
+
+
 def test_maybe_log_and_extra_loggers() -> None:
     class Recorder(StatLoggerBase):
         def __init__(self, vllm_config: object = None, engine_index: int = 0) -> None:

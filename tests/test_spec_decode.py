@@ -1,8 +1,10 @@
-"""Speculative decoding (issue 33, n-gram): speculation on never changes a token.
+"""Speculative decoding (issue 33: n-gram and a draft model): speculation on never changes a token.
 
 Every engine-level test compares against the same engine with speculation off (an
 independent reference: one token a step, no proposals), on prompts that repeat themselves so
-that proposals are made and accepted (asserted through the spec_decode_* counters):
+that proposals are made and accepted (asserted through the spec_decode_* counters). Each runs
+with the n-gram proposer and with a draft model (the target with its weights perturbed: about
+two thirds of its proposals are accepted, so both the accepted and the rejected paths run):
 
 - greedy and seeded temperature-0.8 outputs, logprobs, penalties, min_tokens with EOS, EOS
   inside an accepted run, max_tokens and max_model_len exact, preemption under a tiny KV pool,
@@ -70,8 +72,33 @@ def core_off(model: str) -> Iterator[EngineCore]:
 
 
 @pytest.fixture(scope="module")
-def core_on(model: str) -> Iterator[EngineCore]:
-    core = make_core(model, speculative_config=SPEC, **CORE_KW)
+def draft_model(model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The target with noise on its matrices (3% of each one's std): a draft that agrees with
+    it often, not always."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = str(tmp_path_factory.mktemp("spec-draft") / "draft")
+    shutil.copytree(model, out)
+    weights = load_file(f"{out}/model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    weights = {k: (v + 0.03 * v.std() * torch.randn(v.shape, generator=gen)).to(v.dtype) if v.ndim == 2 else v
+               for k, v in weights.items()}
+    save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def spec_config(kind: str, draft_model: str) -> SpeculativeConfig:
+    if kind == "ngram":
+        return SPEC
+    return SpeculativeConfig.from_value({"model": draft_model, "num_speculative_tokens": 4})
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def core_on(request: pytest.FixtureRequest, model: str, draft_model: str) -> Iterator[EngineCore]:
+    core = make_core(model, speculative_config=spec_config(request.param, draft_model), **CORE_KW)
     yield core
     core.shutdown()
 
@@ -233,13 +260,14 @@ def test_max_tokens_and_max_model_len_exact(core_off: EngineCore, core_on: Engin
     assert len(on["ctx"].tokens) == 13 and on["ctx"].finish_reason == FinishReason.LENGTH
 
 
-def test_preemption_under_a_tiny_kv_pool(model: str, core_off: EngineCore) -> None:
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_preemption_under_a_tiny_kv_pool(model: str, draft_model: str, core_off: EngineCore, kind: str) -> None:
     prompts = repeating_prompts(5, 8)
     requests = [req(f"pre{i}", p, greedy(40) if i % 2 else
                     SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True))
                 for i, p in enumerate(prompts)]
     off = run_to_completion(core_off, requests)
-    tight = make_core(model, speculative_config=SPEC, **{**CORE_KW, "num_kv_blocks": 16})
+    tight = make_core(model, speculative_config=spec_config(kind, draft_model), **{**CORE_KW, "num_kv_blocks": 16})
     try:
         on = run_to_completion(tight, requests)
         assert_all_blocks_free(tight)
@@ -251,15 +279,74 @@ def test_preemption_under_a_tiny_kv_pool(model: str, core_off: EngineCore) -> No
     assert stats.spec_decode_num_accepted_tokens > 0
 
 
+# ------------------------------------------------------------------ draft model: coupling, EOS, refusal
+
+
+def test_draft_equal_to_the_target_has_every_proposal_accepted(model: str, core_off: EngineCore) -> None:
+    """The draft samples with the target's (seed, position) noise: a draft that *is* the
+    target proposes exactly the tokens the target samples, greedy and at temperature 0.8 alike
+    (an uncoupled draft would agree at 0.8 only by chance). Float noise between the draft's
+    one-row passes and the target's batched rows may flip a rare near tie: >= 95%. An EOS the
+    request does not ignore, taken from the reference output, lands inside an accepted run and
+    ends the request there."""
+    prompts = repeating_prompts(7, 4)
+    plain = [req(f"self{i}", p, SamplingParams(temperature=0.8 * (i % 2), seed=40 + i, max_tokens=40,
+                                               ignore_eos=True)) for i, p in enumerate(prompts)]
+    off = run_to_completion(core_off, plain)
+    eos_at = 17
+    eos = off["self0"].tokens[eos_at]
+    first = off["self0"].tokens.index(eos)
+    with_eos = [req("eos", prompts[0], SamplingParams(temperature=0.0, max_tokens=40), eos=eos)]
+    off_eos = run_to_completion(core_off, with_eos)
+    core = make_core(model, speculative_config=SpeculativeConfig.from_value(
+        {"model": model, "num_speculative_tokens": 4}), **CORE_KW)
+    try:
+        on = run_to_completion(core, plain + with_eos)
+        assert_all_blocks_free(core)
+        stats = core.scheduler.make_stats()
+    finally:
+        core.shutdown()
+    for rid, r in off.results.items():
+        assert on[rid].tokens == r.tokens, rid
+    assert on["eos"].tokens == off_eos["eos"].tokens == off["self0"].tokens[: first + 1]
+    assert on["eos"].finish_reason == FinishReason.STOP
+    assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens > 0, stats
+    assert len(on["self0"].outputs) <= len(off["self0"].outputs) // 3  # ~5 tokens a step
+
+
+def test_draft_with_another_tokenizer_is_refused(model: str, tmp_path: Any) -> None:
+    import glob
+    import shutil
+
+    from tidal.frontend.entrypoints.make_model import make_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+        other = make_model(str(tmp_path / "other"), "qwen3", vocab_size=640, hidden_size=32, num_layers=1,
+                           num_heads=2, num_kv_heads=1, seed=1)
+    with pytest.raises(ValueError, match="has vocab_size 640, the target 512: a draft model must share"):
+        make_core(model, speculative_config=SpeculativeConfig.from_value(
+            {"model": other, "num_speculative_tokens": 2}), **CORE_KW)
+    # The target's weights and config, another tokenizer: refused by the tokens themselves.
+    swapped = str(tmp_path / "swapped")
+    shutil.copytree(model, swapped)
+    for f in glob.glob(f"{other}/*token*"):
+        shutil.copy(f, swapped)
+    with pytest.raises(ValueError, match="another tokenizer than the target .*must share the target's tokenizer"):
+        make_core(model, speculative_config=SpeculativeConfig.from_value(
+            {"model": swapped, "num_speculative_tokens": 2}), **CORE_KW)
+
+
 # ------------------------------------------------------------------ LLM: n > 1, stop strings, DELTA
 
 
-@pytest.fixture(scope="module")
-def llms(model: str) -> Iterator[tuple[LLM, LLM]]:
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def llms(request: pytest.FixtureRequest, model: str, draft_model: str) -> Iterator[tuple[LLM, LLM]]:
     kw = dict(multiprocessing=False, max_model_len=256, num_gpu_blocks_override=160, dtype="float32", device="cpu")
     off = LLM(model=model, **kw)
-    on = LLM(model=model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **kw)
+    spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+            if request.param == "ngram" else {"model": draft_model, "num_speculative_tokens": 4})
+    on = LLM(model=model, speculative_config=spec, **kw)
     yield off, on
     off.shutdown()
     on.shutdown()
@@ -301,14 +388,20 @@ def test_llm_stop_strings(llms: tuple[LLM, LLM]) -> None:
     off, on = llms
     free = off.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     stops = [out.outputs[0].text[12:15] for out in free]  # text every output does reach
+    # Requests with stop strings speculate too: the front-end ends each output at the token
+    # that completes its stop string, inside a step's run (tokens, text and logprobs).
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[s], logprobs=1) for s in stops]
+    before = _accepted(on)
+    a = off.generate(TEXTS, params, use_tqdm=False)
+    b = on.generate(TEXTS, params, use_tqdm=False)
+    assert _completions(a) == _completions(b)
+    assert all(out.outputs[0].finish_reason == "stop" for out in b)
+    assert _accepted(on) > before
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[s]) for s in stops]
     params += [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(TEXTS)
-    before = _accepted(on)
     a = off.generate(TEXTS * 2, params, use_tqdm=False)
     b = on.generate(TEXTS * 2, params, use_tqdm=False)
     assert _completions(a) == _completions(b)
-    assert all(out.outputs[0].finish_reason == "stop" for out in b[: len(TEXTS)])
-    assert _accepted(on) > before
 
 
 def _stream(llm: LLM, params: SamplingParams) -> tuple[dict[str, list[int]], dict[str, str], int]:
@@ -340,6 +433,50 @@ def test_llm_delta_streaming(llms: tuple[LLM, LLM]) -> None:
     assert a_tokens == b_tokens and a_texts == b_texts
     assert all(len(t) == 40 for t in b_tokens.values())
     assert biggest > 1  # some steps streamed several tokens at once
+    stop = off.generate(TEXTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text[20:23]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                            output_kind=RequestOutputKind.DELTA)
+    assert _stream(off, params)[:2] == _stream(on, params)[:2]  # a stop string cut inside a streamed run
+
+
+def test_core_sigkill_mid_stream_resumes_the_same_tokens(llms: tuple[LLM, LLM], model: str) -> None:
+    """The core (its own process) is SIGKILLed once a request has 12 tokens; the restarted core
+    gets each request back as prompt + tokens so far, speculates on, and every output is the
+    one decoding without speculation gives."""
+    import os
+    import signal
+    import threading
+    import time
+
+    off, on = llms
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=60 + i, max_tokens=48, ignore_eos=True)
+              for i in range(len(TEXTS))]
+    reference = off.generate(TEXTS, params, use_tqdm=False)
+    spec = on.config.speculative_config  # n-gram or the draft model, as `on` has
+    llm = LLM(model=model, speculative_config=spec, max_model_len=256, num_gpu_blocks_override=160,
+              dtype="float32", device="cpu", enable_prefix_caching=False)
+    try:
+        pid = llm.engine_core.process.pid
+
+        def kill_when_generating() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                states = list(llm.output_processor.request_states.values())
+                if any(len(st.generated) >= 12 for st in states):
+                    break
+                time.sleep(0.001)
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_generating, daemon=True)
+        killer.start()
+        resumed = llm.generate(TEXTS, params, use_tqdm=False)
+        killer.join(60)
+        assert llm.engine_core.supervisor.num_restarts == 1
+        assert _completions(resumed) == _completions(reference)
+        assert _accepted(llm) > 0  # the new core speculates too
+    finally:
+        llm.shutdown()
 
 
 # ------------------------------------------------------------------ scheduler alone (no model)
@@ -480,17 +617,18 @@ class _Grammar:
 
 
 def test_scheduler_makes_no_proposals_when_it_cannot_or_should_not() -> None:
-    # stop strings (the front-end checks them on text), structured outputs: one token a step
+    # structured outputs: one token a step (stop strings speculate: the front-end cuts the
+    # tokens after one); after a draft with nothing accepted, one proposal (adaptive k)
     s = _scheduler()
     s.add_request(_request("stop", P, stop=["x"]))
     s.add_request(_request("plain", P))
     _step(s, {"stop": [13], "plain": [13]})
     so, _ = _step(s, {"stop": [14], "plain": [99]})
-    assert so.scheduled_spec_decode_tokens == {"plain": [14, 15, 10]}
+    assert so.scheduled_spec_decode_tokens == {"stop": [14, 15, 10], "plain": [14, 15, 10]}
     s.requests["plain"].structured_output_request = _Grammar()  # type: ignore[assignment]
     s.requests["plain"].all_token_ids[-1] = s.requests["plain"].output_token_ids[-1] = 14  # a match again
     so, _ = _step(s, {"stop": [15], "plain": [15]})
-    assert so.scheduled_spec_decode_tokens == {}
+    assert so.scheduled_spec_decode_tokens == {"stop": [15]}
     # disable_by_batch_size: none while that many requests run
     s = _scheduler(disable_by_batch_size=2)
     s.add_request(_request("x", P, max_tokens=2))
@@ -513,6 +651,42 @@ def test_scheduler_makes_no_proposals_when_it_cannot_or_should_not() -> None:
     _step(s, {"w": [34]})
     so, _ = _step(s, {"w": [35]})
     assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens == {"w": 1}
+
+
+def test_proposal_count_adapts_and_a_request_that_never_hits_sits_out() -> None:
+    """One more proposal than the last draft's accepted run (up to k); MISS_LIMIT drafts in a
+    row with nothing accepted: the request sits out FIRST_BACKOFF steps, then twice as long
+    after the next such run; an accepted proposal resets the sit-outs."""
+    from tidal.core.spec_decode import FIRST_BACKOFF, MISS_LIMIT, SpecDecoder
+
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2), 64)
+    r = _request("a", [5, 6, 7] * 6)  # "... 6 7" is always followed by 5 6 7 5
+    assert spec.propose(r, 16) == [5, 6, 7, 5]
+
+    def sit_out() -> int:
+        n = 0
+        while not spec.propose(r, 16):
+            n += 1
+        return n
+
+    for _ in range(MISS_LIMIT - 1):
+        spec.record(len(spec.propose(r, 16)), 0, r)
+    assert spec.propose(r, 16) == [5]  # one proposal after a draft of which nothing was accepted
+    spec.record(1, 0, r)  # the third miss in a row
+    assert sit_out() == FIRST_BACKOFF
+    spec.record(1, 1, r)
+    assert spec.propose(r, 16) == [5, 6]
+    spec.record(2, 2, r)
+    assert spec.propose(r, 16) == [5, 6, 7]
+    spec.record(3, 1, r)
+    assert spec.propose(r, 16) == [5, 6]
+    for _ in range(MISS_LIMIT):
+        spec.record(len(spec.propose(r, 16)), 0, r)
+    assert sit_out() == FIRST_BACKOFF  # an accepted proposal since: the first sit-out's length
+    for _ in range(MISS_LIMIT):
+        spec.record(len(spec.propose(r, 16)), 0, r)
+    assert sit_out() == 2 * FIRST_BACKOFF  # none accepted since: twice as long
+    assert (spec.num_drafts, spec.num_accepted_tokens) == (3 * MISS_LIMIT + 3, 4)
 
 
 def test_scheduler_drops_proposals_before_preempting() -> None:
@@ -566,6 +740,12 @@ def test_speculative_config_keys_and_defaults() -> None:
     one = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
                                         "disable_by_batch_size": 8})
     assert (one.prompt_lookup_min, one.prompt_lookup_max, one.disable_by_batch_size) == (2, 2, 8)
+    draft = SpeculativeConfig.from_value({"model": "/d", "num_speculative_tokens": 3})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/d", 3)  # vLLM's inference
+    assert SpeculativeConfig.from_value({"method": "draft_model", "model": "/d", "num_speculative_tokens": 2,
+                                         "disable_by_batch_size": 4}).disable_by_batch_size == 4
+    assert _roundtrip(EngineArgs(model="/m", speculative_config={"model": "/d", "num_speculative_tokens": 3})
+                      .create_engine_config()).speculative_config == draft
     assert EngineArgs(model="/m").create_engine_config().speculative_config is None
     assert EngineArgs(model="/m", speculative_config={}).create_engine_config().speculative_config is None
     assert _roundtrip(cfg).speculative_config == cfg.speculative_config
@@ -588,8 +768,9 @@ def _roundtrip(cfg: Any) -> Any:
     ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, ["'eagle'", "speculative decoding"]),
     ({"method": "eagle3", "num_speculative_tokens": 2}, ["'eagle3'"]),
     ({"method": "mtp", "num_speculative_tokens": 1}, ["'mtp'"]),
-    ({"model": "/path/to/draft", "num_speculative_tokens": 4}, ["'draft_model'"]),
-    ({"method": "draft_model", "model": "/d", "num_speculative_tokens": 4}, ["'draft_model'"]),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, ["'draft_model'", "needs model"]),
+    ({"model": "/d", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, ["prompt_lookup_max", "n-gram"]),
+    ({"model": "/d", "num_speculative_tokens": 4, "quantization": "fp8"}, ["quantization", "target's dtype"]),
     ({"method": "ngram"}, ["num_speculative_tokens"]),
     ({"method": "ngram", "num_speculative_tokens": 0}, ["num_speculative_tokens", ">= 1"]),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

@@ -15,7 +15,8 @@ Speculative decoding (core/spec_decode.py): a request with proposals
 (`SchedulerOutput.scheduled_spec_decode_tokens`) computes its last token and the proposals as
 query rows; every one of those rows goes through the LM head and is sampled, and the request
 returns the verified tokens (worker/spec_decode.py). The proposals never enter the runner's
-token state: the accepted ones come back as `new_token_ids` like any sampled token.
+token state: the accepted ones come back as `new_token_ids` like any sampled token. A draft
+model's proposals are made here, before the step's forward pass (worker/draft_model.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tidal.utils.logging_utils import summarize_exception
 from tidal.worker.attention import Attention
 from tidal.worker.attention_metadata import AttentionMetadata
 from tidal.worker.cuda_graphs import CudaGraphRunner, backend_is_graph_safe, capture_sizes
+from tidal.worker.draft_model import DraftProposer
 from tidal.worker.forward_context import set_forward_context
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.sampler import Sampler
@@ -123,9 +125,14 @@ class ModelRunner(StepSampling):
         self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, block_size=block_size, device=device)
         self.cuda_graphs: CudaGraphRunner | None = None
+        # speculative_config with a draft model: fills the proposals before each forward pass
+        # (worker/draft_model.py); its KV lives in the same blocks, in tensors of its own.
+        self.drafter: DraftProposer | None = None
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.drafter is not None:
+            layers += self.drafter.attention_layers
         for layer in layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = zeroed_kv_tensor(shape, dtype, self.device)
@@ -281,6 +288,8 @@ class ModelRunner(StepSampling):
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput() if self.is_driver else None
+        if self.drafter is not None:
+            self.drafter.fill(self, so)
         batch = self._prepare(so)
         t0 = time.perf_counter()
         if batch.graph_size is not None:

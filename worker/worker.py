@@ -15,6 +15,7 @@ from tidal.protocol.config import (DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, Res
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.sizing import kv_blocks_for_budget, kv_cache_budget_from_memory, max_step_tokens
 from tidal.utils.openmp import threads_per_rank
+from tidal.worker.draft_model import DraftProposer
 from tidal.worker.hf_config import load_hf_config
 from tidal.worker.layers.gemm import warm_up_gemm_buckets
 from tidal.worker.startup_timer import StartupTimer
@@ -40,6 +41,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.distributed_listen_fd = distributed_listen_fd  # rank 0: the rendezvous socket
         self.device = resolve_device(config, rank)
+        self.drafter: DraftProposer | None = None  # speculative_config's draft model, if any
         if self.device.type == "cuda" and world_size > torch.cuda.device_count():
             # Two ranks on one GPU would only fail later, inside NCCL, with a vaguer message.
             raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} CUDA devices; "
@@ -78,12 +80,14 @@ class Worker:
         timer.mark("config")
         self.model = load_model(cfg.model, hf_config, self.dtype, cfg.load_format, self.device, cfg.seed)
         timer.mark("model load")
+        self.drafter = self._load_draft_model()
         num_blocks = self._num_kv_blocks()
         self.model_runner = ModelRunner(self.model, block_size=cfg.block_size,
                                         vocab_size=hf_config.vocab_size, device=self.device,
                                         is_driver=self.rank == 0, logprobs_mode=cfg.logprobs_mode,
                                         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self._max_step_tokens(),
                                         max_model_len=self.max_model_len)
+        self.model_runner.drafter = self.drafter
         self.model_runner.bind_kv_cache(num_blocks, self.kv_cache_dtype)
         timer.mark("KV allocation")
         if self.device.type == "cuda" and not cfg.enforce_eager:
@@ -91,15 +95,35 @@ class Worker:
             timer.mark("CUDA graphs")
         if self.device.type == "cpu":
             warm_up_gemm_buckets(self.model, cfg.max_num_seqs)
+            if self.drafter is not None:
+                warm_up_gemm_buckets(self.drafter.model, cfg.max_num_seqs)
             timer.mark("warm-up")
         timer.log(self.rank)
         return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size,
                                   self.device.type)
 
+    def _load_draft_model(self) -> DraftProposer | None:
+        """speculative_config's draft model, in the target's dtype on the target's device (and
+        under its tensor parallelism); None without one."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from tidal.worker.draft_model import check_draft_compatible
+        from tidal.worker.loader import load_model
+
+        assert spec.model is not None
+        draft_config = load_hf_config(spec.model)
+        check_draft_compatible(self.config.model, spec.model, self.hf_config, draft_config)
+        model = load_model(spec.model, draft_config, self.dtype, self.config.load_format, self.device,
+                           self.config.seed)
+        return DraftProposer(model)
+
     def kv_bytes_per_block(self) -> int:
         from tidal.worker.attention import Attention
 
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.drafter is not None:  # the draft's KV shares the target's blocks
+            layers += self.drafter.attention_layers
         elt = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * self.config.block_size * m.num_kv_heads * m.head_dim * elt for m in layers)
 
