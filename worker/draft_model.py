@@ -35,7 +35,8 @@ from tidal.worker.attention import Attention
 from tidal.worker.attention_metadata import AttentionMetadata
 from tidal.worker.forward_context import set_forward_context
 from tidal.worker.sampler import SamplingMetadata
-from tidal.worker.step_sampling import _reads_outputs
+from tidal.worker.block_ops import argmax
+from tidal.worker.step_sampling import _plain_greedy, _reads_outputs
 
 if TYPE_CHECKING:
     from tidal.worker.model_runner import CachedRequestState, ModelRunner
@@ -102,8 +103,10 @@ class DraftProposer:
     def _sample(runner: ModelRunner, states: list[CachedRequestState], drafts: list[list[int]],
                 logits: torch.Tensor) -> list[int]:
         """The target's draw at each request's next position, on the draft's logits."""
-        empty: list[int] = []
         params = [st.sampling_params for st in states]
+        if all(_plain_greedy(sp) for sp in params):  # nothing but an argmax (the common case)
+            return argmax(logits).tolist()
+        empty: list[int] = []
         md = SamplingMetadata.build(
             params=params,
             prompt_token_ids=[st.token_ids[: st.num_prompt_tokens] if sp.repetition_penalty != 1.0 else empty
