@@ -185,10 +185,12 @@ RULES: dict[str, Rule] = {
     "disable_chunked_mm_input": NoOp("tidal has no multimodal inputs to chunk"),
     "disable_hybrid_kv_cache_manager": NoOp("tidal's models have one kind of attention layer, so one KV cache"),
     "structured_outputs_config": Implemented(None),  # config_kwargs: a StructuredOutputsConfig
-    "reasoning_parser": Refused("reasoning parsers"),
-    "reasoning_parser_plugin": Refused("reasoning parsers"),
+    # The server's chat routes read it (ServingContext.reply_parser); tidal serve checks the name.
+    "reasoning_parser": Implemented(None),
+    "reasoning_parser_plugin": Refused("reasoning parser plugins (the built-in parsers are --reasoning-parser's "
+                                       "choices)"),
     "logits_processor_pattern": NoOp("tidal takes no custom logits processors by name"),
-    "speculative_config": Implemented(None),  # config_kwargs: a SpeculativeConfig (method "ngram")
+    "speculative_config": Implemented(None),  # config_kwargs: a SpeculativeConfig (n-gram or a draft model)
     "show_hidden_metrics_for_version": NoOp("tidal has no hidden (deprecated) metrics"),
     "otlp_traces_endpoint": Refused("OpenTelemetry tracing"),
     "collect_detailed_traces": Refused("OpenTelemetry tracing"),

@@ -181,7 +181,8 @@ def test_logging_config_file_applies_in_every_tidal_process(tmp_path: os.PathLik
 
 @pytest.mark.parametrize("flags,expected", [
     (["--lora-modules", "a=/tmp/a"], "--lora-modules: tidal does not support LoRA adapters"),
-    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "does not support tool calling"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "invalid tool call parser: nope (chose from"),
     (["--enable-log-outputs"], "--enable-log-outputs: tidal does not support logging generated outputs"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "7"], "--ssl-cert-reqs 7"),
@@ -190,7 +191,7 @@ def test_logging_config_file_applies_in_every_tidal_process(tmp_path: os.PathLik
     (["--log-config-file", "/nonexistent/log.json"], "--log-config-file: logging config '/nonexistent/log.json'"),
     (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"], "--ssl-ca-certs must name"),
     (["--default-chat-template-kwargs", '{"tokenize": true}'], "['tokenize'] are apply_chat_template's own"),
-    (["--tool-parser-plugin", "my.plugin"], "--tool-parser-plugin: tidal does not support tool calling"),
+    (["--tool-parser-plugin", "my.plugin"], "--tool-parser-plugin: tidal does not support tool parser plugins"),
 ])
 def test_refused_and_malformed_server_flags(flags: list[str], expected: str) -> None:
     from tidal.frontend.entrypoints.cli import build_parser

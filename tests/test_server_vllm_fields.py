@@ -219,8 +219,9 @@ def test_chat_echo_and_request_template(server: Server) -> None:
     ("/v1/completions", {"prompt": "a", "cache_salt": ""}, "cache_salt", "non-empty string"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": False}}, "stream_options", "stream=True"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
+    # tools (tool_choice "auto" by default) on a server started without a tool-call parser
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools", "not supported"),
+     "tool_choice", "requires --enable-auto-tool-choice and --tool-call-parser"),
     ("/v1/completions", {"prompt": [5] * (MAX_MODEL_LEN + 4)}, None,
      f"maximum context length is {MAX_MODEL_LEN} tokens. However, your request has {MAX_MODEL_LEN + 4} input tokens"),
 ])

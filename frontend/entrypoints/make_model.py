@@ -25,6 +25,52 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# The models' chat template: CHATML_TEMPLATE's rendering for plain messages, character for
+# character, and Qwen3's tool calling (Hermes format, which `--tool-call-parser hermes` reads):
+# the tools listed in the system turn with <tool_call> instructions, an assistant's tool_calls
+# as <tool_call>{"name": ..., "arguments": ...}</tool_call> (arguments a dict, as vLLM passes
+# them, or JSON text), tool results as <tool_response> in a user turn, an assistant's
+# reasoning_content in <think>, and enable_thinking=false closing an empty <think> block after
+# the generation prompt (so a model answers without thinking, as Qwen3's template does).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['role'] == 'assistant' and message.get('reasoning_content') %}"
+    "{{- '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' }}"
+    "{%- endif %}"
+    "{{- message['content'] }}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{{- '<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
 
 DEFAULT_ARCH = "qwen3"
 # Tiny Qwen3 shape for the embedded default model (~4M parameters, made in ~1 s).
@@ -133,7 +179,7 @@ def write_tokenizer(out_dir: str, vocab_size: int, tokenizer_dir: str | None = N
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": TOOL_CHAT_TEMPLATE,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config, f, indent=2)
@@ -268,6 +314,24 @@ def make_model(
     return out_dir
 
 
+def _refresh_chat_template(model_dir: str) -> None:
+    """A default model made by an earlier tidal gets today's chat template (its weights and
+    tokenizer are unchanged): the tool-calling one, not the plain ChatML of older releases."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return
+    if config.get("chat_template") == TOOL_CHAT_TEMPLATE:
+        return
+    config["chat_template"] = TOOL_CHAT_TEMPLATE
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+
+
 def ensure_default_model() -> str:
     """Make the embedded default model once per cache dir and return its path.
 
@@ -276,6 +340,7 @@ def ensure_default_model() -> str:
     """
     final = default_model_dir()
     if os.path.isfile(os.path.join(final, "config.json")):
+        _refresh_chat_template(final)
         return final
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)

@@ -68,6 +68,8 @@ from tidal.frontend.entrypoints.openai.server_load import ServerLoad
 from tidal.frontend.entrypoints.openai.serving_chat import ChatHandler, render_chat
 from tidal.frontend.entrypoints.openai.serving_chat_batch import BatchChatHandler
 from tidal.frontend.entrypoints.openai.serving_completions import CompletionsHandler
+from tidal.frontend.entrypoints.openai.serving_responses import ResponsesHandler
+from tidal.frontend.entrypoints.anthropic.serving_messages import MessagesHandler, error_response as anthropic_error_response
 from tidal.frontend.entrypoints.openai.serving_context import ChatOptions, ServingContext
 from tidal.frontend.entrypoints.openai.tokenizer_info import TokenizerInfoRoute
 from tidal.frontend import lower_thread_priority
@@ -92,8 +94,10 @@ def error_response(e: APIError) -> Response:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` (the scheme in any case, as RFC 9110 has it) on every path
-    but OPEN_PATHS; KEY is any of the server's keys, each compared in constant time."""
+    """`Authorization: Bearer KEY` (the scheme in any case, as RFC 9110 has it) or Anthropic's
+    `x-api-key: KEY` (what its clients send) on every path but OPEN_PATHS; KEY is any of the
+    server's keys, each compared in constant time. A refusal under /v1/messages is in
+    Anthropic's error shape, so its clients raise their AuthenticationError."""
 
     def __init__(self, app: ASGIApp, api_key: str | Sequence[str]) -> None:
         keys = [api_key] if isinstance(api_key, str) else list(api_key)
@@ -102,24 +106,31 @@ class APIKeyMiddleware:
         # Digests are compared, so neither a key's length nor which key matched shows in the time.
         self.app, self.digests = app, [hashlib.sha256(k.encode()).digest() for k in keys]
 
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
+    def _matches(self, token: bytes) -> bool:
         got = hashlib.sha256(token.strip()).digest()
         ok = False
         for digest in self.digests:  # every key compared
             ok |= hmac.compare_digest(got, digest)
-        return ok and scheme.lower() == b"bearer"
+        return ok
+
+    def _authorized(self, header: bytes, api_key: bytes | None = None) -> bool:
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and self._matches(token):
+            return True
+        return api_key is not None and self._matches(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if path in OPEN_PATHS or self._authorized(got):
+        api_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+        if path in OPEN_PATHS or self._authorized(got, api_key):
             return await self.app(scope, receive, send)
-        err = APIError("Unauthorized: a missing or wrong API key (send 'Authorization: Bearer KEY')",
-                       HTTPStatus.UNAUTHORIZED)
-        await error_response(err)(scope, receive, send)
+        err = APIError("Unauthorized: a missing or wrong API key (send 'Authorization: Bearer KEY' or "
+                       "'x-api-key: KEY')", HTTPStatus.UNAUTHORIZED)
+        anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+        await (anthropic_error_response(err) if anthropic else error_response(err))(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -281,6 +292,8 @@ def build_app(ctx: ServingContext, *, api_key: str | Sequence[str] | None = None
         Route("/v1/chat/completions", json_endpoint(chat, ChatCompletionRequest, max_body_bytes),
               methods=["POST"]),
         Route("/v1/chat/completions/batch", json_endpoint(batch_chat, bytes, max_body_bytes), methods=["POST"]),
+        *ResponsesHandler(chat_handler).routes(json_endpoint, load, max_body_bytes),  # /v1/responses
+        *MessagesHandler(chat_handler).routes(json_endpoint, load, max_body_bytes),  # /v1/messages (Anthropic)
         Route("/invocations", json_endpoint(Invocations(chat, completions), bytes, max_body_bytes),
               methods=["POST"]),  # SageMaker's
         Route("/load", load.endpoint, methods=["GET"]),
@@ -357,7 +370,8 @@ async def run_server(args: Any) -> None:
         ctx = ServingContext(engine, served_names(engine_args), template, ChatOptions(
             args.response_role, args.chat_template_content_format, args.default_chat_template_kwargs or {},
             args.enable_force_include_usage, args.return_tokens_as_token_ids, args.trust_request_chat_template,
-            args.enable_prompt_tokens_details),
+            args.enable_prompt_tokens_details, args.enable_auto_tool_choice, args.tool_call_parser,
+            args.exclude_tools_when_tool_choice_none, getattr(args, "reasoning_parser", None) or None),
             limits)
         keys = api_keys(args.api_key)
         app = build_app(ctx, api_key=keys, max_body_bytes=args.max_request_body_bytes, flags=args)

@@ -170,8 +170,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template: str | None = None  # with --trust-request-chat-template only
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None  # passed to the template (RAG), as vLLM
+    # Tools, as OpenAI's: [{"type": "function", "function": {"name", "description", "parameters"}}];
+    # tool_choice "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}},
+    # None: "auto" with tools, else "none" (vLLM's check_tool_usage). Checked in chat_tools.py.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = True  # false: at most one call
+    include_reasoning: bool = True  # false: the reasoning parser's text is dropped from the reply
+    reasoning_effort: str | None = None  # passed to the chat template, as vLLM
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -282,10 +288,27 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprobContent] | None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI's
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct):
+    """`content` None when the reply is only tool calls (OpenAI's shape). The reasoning is sent
+    under both names clients read: `reasoning_content` (vLLM's until v0.11, DeepSeek's API,
+    LangChain) and `reasoning` (vLLM's since)."""
+
     role: str
     content: str | None
-    tool_calls: list[Any] = msgspec.field(default_factory=list)
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -308,11 +331,30 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None  # the call's first delta only
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A piece of call `index`: id, type and name in its first delta only; later ones carry
+    `index` and argument text (OpenAI's wire format: absent, never null)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
-    """Only the fields a chunk sets (the first of a choice: the role, then content)."""
+    """Only the fields a chunk sets (the first of a choice: the role, then content); a field
+    with nothing new is absent, never null."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from tidal.frontend import RequestIds, random_request_id
+from tidal.frontend.entrypoints.openai.chat_tools import TOOLS_AND_CONSTRAINT
 from tidal.frontend.entrypoints.openai.errors import APIError, range_message
 from tidal.frontend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
@@ -78,10 +79,14 @@ def check_prompt_ids(prompt: object) -> None:
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None, tool_schema: dict[str, Any] | None = None,
+                    skip_special_tokens: bool | None = None) -> SamplingParams:
     """The request's SamplingParams (ValueError, i.e. 400, for a value out of range);
     DELTA output when streamed, else FINAL_ONLY. truncate_prompt_tokens is the server's to
-    apply (it needs the prompt's length first), so it is not passed on."""
+    apply (it needs the prompt's length first), so it is not passed on. `tool_schema`: the
+    JSON schema a forced tool_choice constrains the output to (see structured_outputs);
+    `skip_special_tokens`: the server's override of the request's (False when a reply parser
+    reads special tokens)."""
     return SamplingParams.from_optional(
         n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, temperature=req.temperature, top_p=req.top_p,
@@ -89,16 +94,20 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, bad_words=req.bad_words,
         include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
         max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
         logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
-        structured_outputs=structured_outputs(req))
+        structured_outputs=structured_outputs(req, tool_schema))
 
 
-def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+def structured_outputs(req: SamplingFields, tool_schema: dict[str, Any] | None = None
+                       ) -> StructuredOutputsParams | None:
     """The request's constraint from `structured_outputs` and `response_format` (as vLLM: both
-    may be given only if they name one constraint together; ValueError, i.e. 400, otherwise)."""
+    may be given only if they name one constraint together; ValueError, i.e. 400, otherwise).
+    With `tool_schema` (tool_choice "required" or named) that schema is the constraint, and one
+    of the request's own is a 400 (vLLM's words); its options (whitespace) still apply."""
     so, rf = req.structured_outputs, req.response_format
     fields: dict[str, Any] = {} if so is None else msgspec.structs.asdict(so)
     if rf is not None and rf.type == "json_object":
@@ -112,6 +121,11 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
         tag = ({"type": "structural_tag", "format": rf.format} if rf.format is not None
                else {"structures": rf.structures or [], "triggers": rf.triggers or []})
         fields["structural_tag"] = json.dumps(tag)
-    if all(fields.get(name) is None for name in CONSTRAINTS):
+    own = any(fields.get(name) is not None for name in CONSTRAINTS)
+    if tool_schema is not None:
+        if own:
+            raise APIError(TOOLS_AND_CONSTRAINT, HTTPStatus.BAD_REQUEST, "tool_choice")
+        fields["json"] = tool_schema
+    elif not own:
         return None  # no constraint (options alone, or response_format "text")
     return StructuredOutputsParams(**fields)

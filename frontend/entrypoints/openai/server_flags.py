@@ -44,17 +44,13 @@ NOOP_FLAGS: dict[str, tuple[Any, str]] = {
 # (unset, False, or "" for --tool-parser-plugin) is refused.
 REFUSED_FLAGS: dict[str, str] = {
     "lora_modules": "LoRA adapters",
-    "enable_auto_tool_choice": "tool calling",
-    "tool_call_parser": "tool calling",
-    "tool_parser_plugin": "tool calling",
-    "tool_server": "tool calling",
-    "exclude_tools_when_tool_choice_none": "tool calling",
+    "tool_parser_plugin": "tool parser plugins (the built-in parsers are --tool-call-parser's choices)",
+    "tool_server": "built-in tool servers (the Responses API's MCP/demo tools)",
     "enable_log_outputs": "logging generated outputs",
     "tokens_only": "the tokens-only endpoint set",
     "enable_ssl_refresh": "reloading TLS certificates while running",
 }
-_STORE_TRUE = frozenset({"enable_auto_tool_choice", "exclude_tools_when_tool_choice_none",
-                         "enable_log_outputs", "tokens_only",
+_STORE_TRUE = frozenset({"enable_log_outputs", "tokens_only",
                          "enable_ssl_refresh", "disable_fastapi_docs", "enable_offline_docs",
                          "disable_frontend_multiprocessing"})
 _INT_FLAGS = frozenset({"h11_max_incomplete_event_size", "h11_max_header_count", "max_log_len"})
@@ -127,6 +123,14 @@ def add_server_flags(group: argparse._ArgumentGroup) -> None:
                        help="count the generation requests in flight, reported by GET /load")
     group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="serve GET /tokenizer_info, the tokenizer's configuration (its chat template too)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto": the model decides whether to call tools, and '
+                            "--tool-call-parser reads its calls from the reply (required with it)")
+    group.add_argument("--tool-call-parser", default=None,
+                       help="the format the model writes tool calls in: hermes (Qwen, Hermes: <tool_call>{...}"
+                            "</tool_call>), llama3_json, mistral, pythonic")
+    group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='with tool_choice "none" the chat template gets no tools (else it lists them)')
     for name in [*NOOP_FLAGS, *REFUSED_FLAGS]:
         flag = "--" + name.replace("_", "-")
         if name in _STORE_TRUE:
@@ -159,6 +163,7 @@ def check_server_flags(args: argparse.Namespace) -> None:
     for name, (default, why) in NOOP_FLAGS.items():
         if getattr(args, name, default) != default:
             logger.warning("--%s changes nothing here: %s", name.replace("_", "-"), why)
+    check_parser_flags(args)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     if args.ssl_cert_reqs not in (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)):
@@ -170,6 +175,19 @@ def check_server_flags(args: argparse.Namespace) -> None:
     for path in args.middleware:
         middleware_of(path)
     log_config(args)
+
+
+def check_parser_flags(args: argparse.Namespace) -> None:
+    """The tool and reasoning parser flags, in vLLM's words: --enable-auto-tool-choice needs
+    --tool-call-parser, and a parser name must be one the server has (the message lists them)."""
+    from tidal.frontend.entrypoints.openai.chat_tools import reasoning_parser_class, tool_parser_class
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser:
+        tool_parser_class(args.tool_call_parser)
+    if getattr(args, "reasoning_parser", None):  # an engine arg (vLLM's), read by the chat routes
+        reasoning_parser_class(args.reasoning_parser)
 
 
 class RequestIdHeaderMiddleware:

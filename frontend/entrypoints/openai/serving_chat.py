@@ -22,6 +22,8 @@ from tidal.frontend import (
     render_chat as render_chat_prompt,
     resolve_chat_template,
 )
+from tidal.frontend.entrypoints.openai.chat_reply import ChoiceReply, is_empty
+from tidal.frontend.entrypoints.openai.chat_tools import template_messages, tool_parser_type, tool_plan
 from tidal.frontend.entrypoints.openai.disconnect import until_disconnect
 from tidal.frontend.entrypoints.openai.engine_streams import final_output, merged, primed
 from tidal.frontend.entrypoints.openai.errors import APIError
@@ -31,7 +33,6 @@ from tidal.frontend.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatStreamChoice,
     ChatStreamChoiceIds,
     DeltaMessage,
@@ -99,37 +100,50 @@ class ChatHandler:
         model = ctx.model_name(req.model)
         text, ids, params = await self.engine_inputs(req)
         rid, engine_rid = request_ids("chatcmpl", request, req, ctx.request_ids)
+        replies = [self.choice_reply(req, rid, i, text) for i in range(req.n or 1)]
         gen = ctx.engine.generate(ctx.engine_prompt(text, ids, req), params, engine_rid, priority=req.priority)
         if req.stream:
             first, gen = await until_disconnect(request, primed(gen))
-            return SSEResponse(self._stream(req, rid, model, first, gen))
+            return SSEResponse(self._stream(req, rid, model, first, gen, replies))
         final = await until_disconnect(request, final_output(gen))
-        return Response(_encode(self._response(req, rid, model, final)), media_type="application/json")
+        return Response(_encode(self._response(req, rid, model, final, replies)), media_type="application/json")
+
+    def choice_reply(self, req: ChatCompletionRequest, rid: str, choice: int, prompt_text: str) -> ChoiceReply:
+        """Choice `choice`'s reply assembler, with its own parser (ServingContext.reply_parser)."""
+        return ChoiceReply(self.ctx.reply_parser(req, prompt_text), rid, choice,
+                           parallel=req.parallel_tool_calls is not False, named=isinstance(req.tool_choice, dict),
+                           include_reasoning=req.include_reasoning)
 
     async def engine_inputs(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
         """The request checked, its messages rendered and tokenized, and its SamplingParams:
-        (prompt text, prompt ids, params); a 400 for whatever is wrong with it."""
+        (prompt text, prompt ids, params); a 400 for whatever is wrong with it. Its tools and
+        tool_choice as chat_tools.tool_plan has them: the tools the template sees, and the
+        constraint a forced choice puts on the output."""
         ctx = self.ctx
         check_request(req)
-        if req.tool_choice not in (None, "none") and req.tools is None:
-            raise APIError("When using `tool_choice`, `tools` must be set.", HTTPStatus.BAD_REQUEST, "tool_choice")
-        if req.tools and req.tool_choice != "none":  # "none": the template sees them, nothing parses calls
-            raise APIError("tools (function calling) are not supported by tidal; with tool_choice \"none\" the "
-                           "tools only reach the chat template", HTTPStatus.BAD_REQUEST, "tools")
+        plan = tool_plan(req, ctx.options)
         if req.top_logprobs and not req.logprobs:
             raise APIError("when using `top_logprobs`, `logprobs` must be set to true.",
                            HTTPStatus.BAD_REQUEST, "top_logprobs")
         ctx.limits.check(1, req, ctx.vocab_size)
         keep = ctx.truncation(req)
-        extra = {name: value for name, value in (("documents", req.documents), ("tools", req.tools)) if value}
-        text = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs,
+        extra = {name: value for name, value in (("documents", req.documents), ("tools", plan.template_tools))
+                 if value}
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None:  # vLLM passes it to the template (gpt-oss, Qwen3.5 read it)
+            kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
+        text = await render_chat(ctx, template_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message, kwargs=kwargs,
                                  request_template=req.chat_template, extra=extra)
         ids = await ctx.encode(text, req.add_special_tokens, keep, "messages")
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = ctx.resolve_max_tokens(len(ids), asked)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
+        # A parser whose markers are special tokens needs them in the text (vLLM's rule).
+        tool_cls = tool_parser_type(plan, ctx.tool_parser_cls)
+        special = any(cls is not None and cls.needs_special_tokens for cls in (tool_cls, ctx.reasoning_parser_cls))
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+                                 tool_schema=plan.schema, skip_special_tokens=False if special else None)
         return text, ids, params
 
     def role(self, req: ChatCompletionRequest) -> str:
@@ -153,16 +167,17 @@ class ChatHandler:
             return ""
         return _content_text(last.get("content")) or ""
 
-    def _response(self, req: ChatCompletionRequest, rid: str, model: str,
-                  final: RequestOutput) -> ChatCompletionResponse:
+    def _response(self, req: ChatCompletionRequest, rid: str, model: str, final: RequestOutput,
+                  replies: list[ChoiceReply]) -> ChatCompletionResponse:
         choices, completion_tokens = [], 0
         role = self.role(req)
         echoed, ids = self.echoed(req, role), req.return_token_ids
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
-            choices.append(ChatChoice(o.index, ChatMessage(role, echoed + o.text),
-                                      self.logprobs(req, o.token_ids, o.logprobs), o.finish_reason, o.stop_reason,
-                                      o.token_ids if ids else None))
+            reply = replies[o.index]
+            choices.append(ChatChoice(o.index, reply.message(role, o.text, echoed),
+                                      self.logprobs(req, o.token_ids, o.logprobs), reply.finish_reason(o.finish_reason),
+                                      o.stop_reason, o.token_ids if ids else None))
         prompt_tokens = len(final.prompt_token_ids)
         usage = UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens,
                           cached_details(self.ctx.options.prompt_tokens_details, final.num_cached_tokens))
@@ -172,12 +187,16 @@ class ChatHandler:
                                       prompt_token_ids=final.prompt_token_ids if ids else None)
 
     def _stream(self, req: ChatCompletionRequest, rid: str, model: str, first: RequestOutput,
-                gen: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+                gen: AsyncIterator[RequestOutput], replies: list[ChoiceReply]) -> AsyncIterator[bytes]:
         options = self.ctx.options
         framing = DetailsFraming("chat.completion.chunk", rid, model, req, options.force_include_usage)
         usage = UsageInfo(prompt_tokens=len(first.prompt_token_ids))
         cached = CachedTokens(options.prompt_tokens_details)
         choice_tokens = [0] * req.n  # per choice (continuous usage)
+        # Without parsers the text is the content, chunk for chunk (no events to assemble).
+        plain = all(r.parser.reasoning is None and r.parser.tools is None for r in replies)
+        # An output whose text the parsers hold back still has a chunk when it carries per-token data.
+        per_token = bool(req.logprobs or req.return_token_ids)
         opened = False
 
         def events(item: tuple[int, RequestOutput]) -> tuple[list[bytes], bool]:
@@ -189,7 +208,16 @@ class ChatHandler:
             for o in out.outputs:
                 usage.completion_tokens += len(o.token_ids)
                 choice_tokens[o.index] += len(o.token_ids)
-                parts.append(framing.chunk(self._chunk(req, o), usage.prompt_tokens, choice_tokens[o.index]))
+                if plain:
+                    delta, finish = DeltaMessage(content=o.text), o.finish_reason
+                else:
+                    reply, last = replies[o.index], o.finish_reason is not None
+                    delta = reply.delta(reply.events(o.text, last))
+                    finish = reply.finish_reason(o.finish_reason)
+                    if not last and not per_token and is_empty(delta):
+                        continue
+                parts.append(framing.chunk(self._chunk(req, o, delta, finish), usage.prompt_tokens,
+                                           choice_tokens[o.index]))
             return parts, out.finished
 
         return event_stream(merged([(first, gen)]), events, framing, usage)
@@ -209,9 +237,8 @@ class ChatHandler:
                 parts.append(framing.prefix + _encode(ChatStreamChoice(i, DeltaMessage(content=echoed))) + start_tail)
         return parts
 
-    def _chunk(self, req: ChatCompletionRequest, o: Any) -> ChatStreamChoice:
+    def _chunk(self, req: ChatCompletionRequest, o: Any, delta: DeltaMessage, finish: str | None) -> ChatStreamChoice:
         logprobs = self.logprobs(req, o.token_ids, o.logprobs)
         if req.return_token_ids:
-            return ChatStreamChoiceIds(o.index, DeltaMessage(content=o.text), logprobs, o.finish_reason,
-                                       o.stop_reason, o.token_ids)
-        return ChatStreamChoice(o.index, DeltaMessage(content=o.text), logprobs, o.finish_reason, o.stop_reason)
+            return ChatStreamChoiceIds(o.index, delta, logprobs, finish, o.stop_reason, o.token_ids)
+        return ChatStreamChoice(o.index, delta, logprobs, finish, o.stop_reason)

@@ -1,7 +1,8 @@
 """The served model as every endpoint sees it: the engine, the names it answers to, its context
 window and tokenizer (prompts tokenized and truncated by the library's PromptEncoder, as
 LLM/AsyncLLM tokenize theirs), the server's chat and stream flags, and a small pool for
-chat-template rendering."""
+chat-template rendering; the parsers that split a chat reply into reasoning, content and tool
+calls (reply_parser)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidal.frontend import AsyncLLM, PromptEncoder, RequestIds, truncation_length
+from tidal.frontend.entrypoints.openai.chat_tools import (
+    reasoning_parser_class,
+    tool_parser_class,
+    tool_parser_for,
+    tool_plan,
+)
 from tidal.frontend.entrypoints.openai.errors import APIError
 from tidal.frontend.entrypoints.openai.limits import RequestSizeLimits
-from tidal.frontend.entrypoints.openai.protocol import SamplingFields
+from tidal.frontend.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields
+from tidal.frontend.entrypoints.openai.reply import ReplyParser
+
+if TYPE_CHECKING:
+    from tidal.frontend.entrypoints.openai.reply import ReasoningParser, ToolParser
 
 T = TypeVar("T")
 
@@ -24,7 +35,8 @@ T = TypeVar("T")
 class ChatOptions:
     """tidal serve's flags for chat, completions and streams (vLLM's names: --response-role,
     --chat-template-content-format, --default-chat-template-kwargs, --enable-force-include-usage,
-    --enable-prompt-tokens-details)."""
+    --enable-prompt-tokens-details, --enable-auto-tool-choice, --tool-call-parser,
+    --exclude-tools-when-tool-choice-none, --reasoning-parser)."""
 
     response_role: str = "assistant"
     content_format: str = "auto"  # auto and string: text parts joined; openai: a list of text parts
@@ -33,6 +45,10 @@ class ChatOptions:
     return_tokens_as_token_ids: bool = False  # every request's logprob tokens as "token_id:N"
     trust_request_chat_template: bool = False  # a request may bring its own chat template
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (needs tool_call_parser)
+    tool_call_parser: str | None = None  # the ToolParserManager name reading "auto" replies
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template sees no tools
+    reasoning_parser: str | None = None  # the ReasoningParserManager name splitting off the reasoning
 
 
 class ServingContext:
@@ -56,9 +72,24 @@ class ServingContext:
             self.encoder.char_limit()
         self.request_ids = RequestIds()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidal-render")
+        # The parser classes, resolved once (tidal serve checked the names before the engine
+        # started); their modules are imported only when named.
+        opts = self.options
+        self.tool_parser_cls: type[ToolParser] | None = (
+            tool_parser_class(opts.tool_call_parser) if opts.tool_call_parser else None)
+        self.reasoning_parser_cls: type[ReasoningParser] | None = (
+            reasoning_parser_class(opts.reasoning_parser) if opts.reasoning_parser else None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def reply_parser(self, req: ChatCompletionRequest, prompt_text: str) -> ReplyParser:
+        """A new parser for one choice of `req`'s reply (the request already passed
+        ChatHandler.engine_inputs): the reasoning parser of --reasoning-parser, given the
+        rendered prompt (with or without tools), then the tool parser its tool_choice calls for
+        (chat_tools.tool_parser_for); with neither, the text passes through as content."""
+        reasoning = None if self.reasoning_parser_cls is None else self.reasoning_parser_cls(prompt_text)
+        return ReplyParser(reasoning, tool_parser_for(tool_plan(req, self.options), self.tool_parser_cls))
 
     def model_name(self, requested: str | None) -> str:
         """The name to report; 404 for a model this server does not serve."""

@@ -1,0 +1,1 @@
+"""Anthropic Messages API (POST /v1/messages) on tidal serve."""
