@@ -142,6 +142,15 @@ def test_malformed_json_is_400(server: Server) -> None:
     assert_openai_error(status, json.loads(body), 400)
 
 
+def test_deeply_nested_body_is_400(server: Server) -> None:
+    """JSON nested past what the decoder recurses into is the client's mistake, not a 500."""
+    body = b'{"prompt": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+    status, raw = http_request("POST", server.url + "/v1/completions", body, AUTH)
+    assert_openai_error(status, json.loads(raw), 400)
+    assert "nested too deeply" in json.loads(raw)["error"]["message"]
+    assert completions(server, {"prompt": "hi", "max_tokens": 2})[0] == 200  # the server is fine
+
+
 def test_context_overflow_message(server: Server) -> None:
     status, body = completions(server, {"prompt": [1, 2, 3, 4, 5], "max_tokens": 300})
     assert_openai_error(status, body, 400)

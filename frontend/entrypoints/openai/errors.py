@@ -77,8 +77,8 @@ class APIError(Exception):
 
 
 def from_exception(e: BaseException) -> APIError:
-    """The APIError for what generate() or a handler raised: ValueError is the client's
-    mistake (400; a field out of its bounds in pydantic's words, as vLLM answers), a dead
+    """The APIError for what generate() or a handler raised: ValueError, and a RecursionError
+    from nesting too deep, are the client's mistake (400; a field out of its bounds in pydantic's words, as vLLM answers), a dead
     engine 503, one being restarted 503 with Retry-After, a request refused at admission
     (overloaded or draining) 503 with Retry-After, a per-request engine failure 500."""
     if isinstance(e, APIError):
@@ -89,6 +89,9 @@ def from_exception(e: BaseException) -> APIError:
         return APIError(range_message(loc, op, limit), HTTPStatus.BAD_REQUEST, _param_of(e))
     if isinstance(e, (ValueError, msgspec.ValidationError, msgspec.DecodeError)):
         return APIError(str(e), HTTPStatus.BAD_REQUEST, _param_of(e))
+    if isinstance(e, RecursionError):  # a body (or a schema in it) nested deeper than it can be read
+        return APIError("the request is nested too deeply to be read (JSON arrays or objects nested about a "
+                        "thousand levels or more)", HTTPStatus.BAD_REQUEST)
     if isinstance(e, EngineRestartingError):  # before its base class, EngineDeadError
         return APIError(f"The engine is restarting: {e}", HTTPStatus.SERVICE_UNAVAILABLE,
                         headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)})
