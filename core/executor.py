@@ -24,6 +24,13 @@ class Executor(ABC):
     def create(config: EngineConfig) -> "Executor":
         if config.model_runner == "null":
             return NullExecutor(config)
+        if config.distributed_executor_backend == "ray":
+            from tidal.core.ray_executor import RayExecutor
+
+            return RayExecutor(config)
+        if config.distributed_executor_backend == "uni" and config.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size="
+                             f"{config.tensor_parallel_size} needs 'mp' or 'ray'")
         if config.tensor_parallel_size > 1:
             from tidal.core.multiproc_executor import MultiprocExecutor
 

@@ -92,9 +92,9 @@ RULES: dict[str, Rule] = {
     "cudagraph_capture_sizes": Implemented(None),
     "max_cudagraph_capture_size": Implemented(None),
     # ---- parallelism
-    "distributed_executor_backend": Refused(
-        "the ray and external_launcher executors", ok=_one_of(None, "mp", "uni"),
-        why="tidal picks its executor itself (in-process for one device, one process per rank otherwise)"),
+    "distributed_executor_backend": Implemented(
+        "distributed_executor_backend", refuse=lambda v: v not in (None, "mp", "uni", "ray"),
+        feature="executors other than mp, uni and ray (external_launcher, executor classes)"),
     "pipeline_parallel_size": Refused("pipeline parallelism", ok=_at_most(1)),
     "master_addr": NoOp("tidal runs on one node; its ranks rendezvous on a private socket"),
     "master_port": NoOp("tidal runs on one node; its ranks rendezvous on a private socket"),

@@ -41,6 +41,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "logprobs_mode": ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),
     "generation_config": ("auto", "vllm"),
+    "distributed_executor_backend": ("mp", "uni", "ray"),
 }
 
 
@@ -174,6 +175,10 @@ class EngineConfig(VllmConfigAttrs):
     # vLLM's speculative_config, resolved (tidal.protocol.speculative): n-gram proposals verified
     # by exact match with the target's own sample, so outputs never change. None: off.
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's distributed_executor_backend: "mp" (one process per rank; in the core's own process
+    # at tensor_parallel_size=1), "uni" (one rank, in the core's process) or "ray" (the ranks as
+    # Ray actors, placed by Ray: tidal.core.ray_executor).
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

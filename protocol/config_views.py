@@ -185,9 +185,9 @@ class ParallelConfig:
     pipeline_parallel_size = 1
     data_parallel_size = 1
     data_parallel_rank = 0
-    distributed_executor_backend = "mp"
 
     def __init__(self, cfg: "EngineConfig") -> None:
+        self.distributed_executor_backend = cfg.distributed_executor_backend
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.world_size = cfg.tensor_parallel_size
 

@@ -64,7 +64,7 @@ def test_late_defaults_resolve_as_vllm() -> None:
     ("compilation_config", {"level": 3}), ("compilation_config", 3), ("runner", "generate"),
     ("swap_space", 8), ("disable_custom_all_reduce", True), ("async_scheduling", True),
     ("enable_sleep_mode", True), ("max_parallel_loading_workers", 2), ("use_tqdm_on_load", False),
-    ("optimization_level", 0), ("distributed_executor_backend", "mp"),
+    ("optimization_level", 0),
     ("hf_token", "hf_x"), ("download_dir", "/tmp/d"),
 ])
 def test_noop_args_warn_once(name: str, value: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -112,7 +112,7 @@ def test_defaults_and_their_none_forms_are_silent(caplog: pytest.LogCaptureFixtu
     ("limit_mm_per_prompt", {"image": 1}, "multimodal"), ("kv_transfer_config", {"kv_connector": "x"}, "KV transfer"),
     ("runner", "pooling", "pooling"), ("enable_prompt_embeds", True, "prompt embeddings"),
     ("tokenizer_mode", "mistral", "mistral"), ("kv_cache_dtype", "fp8", "fp8"),
-    ("cpu_offload_gb", 4, "offloading weights"), ("distributed_executor_backend", "ray", "ray"),
+    ("cpu_offload_gb", 4, "offloading weights"), ("distributed_executor_backend", "external_launcher", "external_launcher"),
     ("load_format", "pt", "weight formats"),
 ])
 def test_refused_args_name_the_feature(name: str, value: Any, feature: str) -> None:
