@@ -92,6 +92,7 @@ class InputBatch:
         # Bumped whenever a buffer is reallocated (a step larger than the sizes given): views
         # taken before (a captured CUDA graph's) are stale then.
         self.generation = 0
+        self.last_table_width = 1  # the CPU step table's width at the last prepare()
         # Per-request rows (host mirror everywhere; on CUDA also the device copy).
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = []
@@ -279,6 +280,7 @@ class InputBatch:
             return out
         # CPU: the step's tensors are views of the buffers just filled; made once per shape.
         width = max(map(self.row_blocks.__getitem__, rows), default=1) or 1
+        self.last_table_width = width  # a CPU graph replay copies these columns (cpu_graphs.py)
         table = self.step_table_flat.np[: nb * width].reshape(nb, width)
         table[:b] = self.table[rows_np, :width]
         if nb > b:

@@ -9,7 +9,8 @@ Step inputs live in persistent buffers (worker/input_batch.py): each request own
 row while it is in the runner's state, and a step fills buffer prefixes (no per-step tensor
 allocation; on CUDA pinned staging and non-blocking copies, so the only host sync of a step is
 reading the sampled ids). On CUDA, decode-only steps replay captured graphs
-(worker/cuda_graphs.py, `capture_cuda_graphs`); everything else runs eagerly.
+(worker/cuda_graphs.py, `capture_cuda_graphs`); on CPU, small decode-only steps replay their
+recorded kernel calls (worker/cpu_graphs.py); everything else runs eagerly.
 
 Speculative decoding (core/spec_decode.py): a request with proposals
 (`SchedulerOutput.scheduled_spec_decode_tokens`) computes its last token and the proposals as
@@ -33,6 +34,7 @@ from tidal.protocol.sampling_params import SamplingParams
 from tidal.utils.logging_utils import summarize_exception
 from tidal.worker.attention import Attention
 from tidal.worker.attention_metadata import AttentionMetadata
+from tidal.worker.cpu_graphs import CpuGraphRunner, capture_cpu_graphs
 from tidal.worker.cuda_graphs import CudaGraphRunner, backend_is_graph_safe, capture_sizes
 from tidal.worker.draft_model import DraftProposer
 from tidal.worker.forward_context import set_forward_context
@@ -125,6 +127,7 @@ class ModelRunner(StepSampling):
         self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, block_size=block_size, device=device)
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.cpu_graphs: CpuGraphRunner | None = None  # recorded CPU decode steps (worker/cpu_graphs.py)
         # speculative_config with a draft model: fills the proposals before each forward pass
         # (worker/draft_model.py); its KV lives in the same blocks, in tensors of its own.
         self.drafter: DraftProposer | None = None
@@ -173,6 +176,19 @@ class ModelRunner(StepSampling):
             torch.cuda.synchronize(self.device)
             return
         self.cuda_graphs = runner
+
+    def capture_cpu_graphs(self) -> None:
+        """Record small decode batches' kernel calls (worker/cpu_graphs.py) after the KV cache
+        is bound and the GEMMs are warmed up; a no-op (logged) when the forward cannot be."""
+        if self.device.type != "cpu":
+            return
+        if self.input_batch.num_blocks is None:
+            raise RuntimeError("capture_cpu_graphs needs the KV cache: call bind_kv_cache first")
+        self.cpu_graphs = capture_cpu_graphs(self.model, self.input_batch, self.max_num_seqs, self.max_model_len)
+
+    @property
+    def graphs(self) -> CudaGraphRunner | CpuGraphRunner | None:
+        return self.cuda_graphs if self.cuda_graphs is not None else self.cpu_graphs
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -243,8 +259,9 @@ class ModelRunner(StepSampling):
         num_tokens = len(tokens)
         num_seqs = len(req_ids)
         graph_size = None
-        if num_tokens == num_seqs and self.cuda_graphs is not None:
-            graph_size = self.cuda_graphs.padded_size(num_seqs)
+        graphs = self.graphs
+        if num_tokens == num_seqs and graphs is not None:
+            graph_size = graphs.padded_size(num_seqs)
         ib = self.input_batch
         step = ib.prepare(rows, starts, num_scheduled, tokens, pad_to=graph_size,
                           decode_slots=decode_slots if num_tokens == num_seqs else None)
@@ -293,8 +310,9 @@ class ModelRunner(StepSampling):
         batch = self._prepare(so)
         t0 = time.perf_counter()
         if batch.graph_size is not None:
-            assert self.cuda_graphs is not None
-            hidden = self.cuda_graphs.replay(batch.graph_size, batch.num_tokens)
+            graphs = self.graphs
+            assert graphs is not None
+            hidden = graphs.replay(batch.graph_size, batch.num_tokens)
         else:
             with set_forward_context(batch.metadata):
                 hidden = self.model(batch.input_ids, batch.positions)

@@ -98,6 +98,9 @@ class Worker:
             if self.drafter is not None:
                 warm_up_gemm_buckets(self.drafter.model, cfg.max_num_seqs)
             timer.mark("warm-up")
+            if not cfg.enforce_eager:
+                self.model_runner.capture_cpu_graphs()
+                timer.mark("CPU graphs")
         timer.log(self.rank)
         return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size,
                                   self.device.type)
