@@ -11,8 +11,8 @@ only the buffers' contents change.
 
 Recording is safe only when the forward's work depends on the buffers' contents and nothing
 else, so the capture refuses (and decodes stay eager) when the forward
-- reads a tensor's value on the host (`.item()`, `bool(t)`: aten._local_scalar_dense),
-- makes a tensor from Python data (aten.lift_fresh: `torch.tensor(list)`), or
+- reads a tensor's value on the host (`.item()`, `bool(t)`, `.tolist()`, `.numpy()`),
+- makes a tensor from Python data (`torch.tensor(list)`, `torch.from_numpy`), or
 - runs under tensor parallelism (collectives are not recorded), or
 - uses another attention backend than the C-kernel one (TIDAL_ATTENTION_BACKEND=torch/triton).
 Python control flow decided by shapes is fixed per captured size, exactly as in a CUDA graph.
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from tidal.worker.attention_cpu import PagedDecodeBatch
 from tidal.worker.attention_metadata import AttentionMetadata
@@ -47,13 +47,15 @@ from tidal.worker.input_batch import InputBatch
 logger = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 4)  # where per-step Python dominates; larger batches amortize it
-_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-                torch.ops.aten.new_empty_strided.default}
-_HOST_READ = "reads a tensor's value on the host (.item(), float(t), bool(t))"
-_REFUSED = {torch.ops.aten._local_scalar_dense.default: _HOST_READ, torch.ops.aten.item.default: _HOST_READ,
-            torch.ops.aten.is_nonzero.default: _HOST_READ, torch.ops.aten.equal.default: _HOST_READ,
-            torch.ops.aten.lift_fresh.default: "makes a tensor from Python data (torch.tensor)"}
+_ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
+                torch.Tensor.new_empty_strided}  # contents undefined: nothing to replay
+_HOST_READ = "reads a tensor's value on the host (.item(), float(t), bool(t), .tolist())"
+_FROM_PYTHON = "makes a tensor from Python data (torch.tensor, from_numpy)"
+_REFUSED = {**{f: _HOST_READ for f in (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__,
+                                       torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.tolist,
+                                       torch.Tensor.numpy, torch.equal, torch.Tensor.equal)},
+            **{f: _FROM_PYTHON for f in (torch.tensor, torch.as_tensor, torch.from_numpy, torch.asarray)}}
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__iand__", "__ior__"}
 
 
 class CaptureRefused(RuntimeError):
@@ -73,54 +75,64 @@ class _KernelCall:
 
 
 class _TorchCall:
-    """A computing torch op: replayed, its fresh outputs copied into the captured ones (which
-    later calls read); an in-place or out= op just runs again on the same tensors."""
+    """A computing torch call: replayed, its fresh outputs (result index, captured tensor)
+    copied into the captured ones later calls read; an in-place or out= call just runs again."""
 
     __slots__ = ("func", "args", "kwargs", "outs")
 
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]) -> None:
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 outs: list[tuple[int, torch.Tensor]]) -> None:
         self.func, self.args, self.kwargs, self.outs = func, args, kwargs, outs
 
     def run(self) -> None:
         result = self.func(*self.args, **self.kwargs)
         if self.outs:
             fresh = result if isinstance(result, (tuple, list)) else (result,)
-            for dst, src in zip(self.outs, fresh):
-                dst.copy_(src)
+            for i, dst in self.outs:
+                dst.copy_(fresh[i])
 
 
-class _Recorder(TorchDispatchMode):
+def _storages(args: Any) -> set[int]:
+    found: set[int] = set()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.add(a.untyped_storage().data_ptr())
+        elif isinstance(a, (tuple, list)):
+            found |= _storages(a)
+    return found
+
+
+class _Recorder(TorchFunctionMode):
+    """Records a forward's top-level torch calls (the mode is off inside each call). A function
+    mode, not a dispatch mode: entering one of those imports torch._dynamo (seconds)."""
+
     def __init__(self, plan: list[Any]) -> None:
         super().__init__()
         self.plan = plan
         self.keep: list[Any] = []  # every tensor made during the capture lives as long as the plan
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _REFUSED:
-            raise CaptureRefused(f"the forward {_REFUSED[func]} ({func})")
+            raise CaptureRefused(f"the forward {_REFUSED[func]} ({getattr(func, '__name__', func)})")
         result = func(*args, **kwargs)
-        self.keep.append((args, kwargs, result))
-        if func in _ALLOCATIONS:
+        name = getattr(func, "__name__", "")
+        if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")) \
+                or kwargs.get("out") is not None:
+            self.keep.append((args, kwargs, result))
+            self.plan.append(_TorchCall(func, args, kwargs, []))
             return result
-        returns = func._schema.returns
-        alias = returns[0].alias_info if returns else None
-        if alias is not None and not alias.is_write and _aliases_input(result, args):
-            return result  # a view of memory the plan already owns (to() / reshape() may copy)
-        outs: list[torch.Tensor] = []
-        if alias is None or not alias.is_write:  # fresh outputs
-            outs = [t for t in (result if isinstance(result, (tuple, list)) else (result,))
-                    if isinstance(t, torch.Tensor)]
-        self.plan.append(_TorchCall(func, args, kwargs, outs))
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        if not results or not all(isinstance(t, torch.Tensor) for t in results) or func in _ALLOCATIONS:
+            self.keep.append(result)
+            return result  # a query (shape, stride, data_ptr) or an allocation
+        self.keep.append((args, kwargs, result))
+        inputs = _storages(args) | _storages(kwargs.values())
+        outs = [(i, t) for i, t in enumerate(results) if t.untyped_storage().data_ptr() not in inputs]
+        if outs:  # else views of memory the plan already owns (to() / reshape() may copy)
+            self.plan.append(_TorchCall(func, args, kwargs, outs))
         return result
-
-
-def _aliases_input(result: Any, args: tuple[Any, ...]) -> bool:
-    if not isinstance(result, torch.Tensor):
-        return True  # views return tensors; lists of views (split) share their input's memory
-    storage = result.untyped_storage().data_ptr()
-    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == storage for a in args)
 
 
 @contextlib.contextmanager
