@@ -286,4 +286,7 @@ def capture_cpu_graphs(model: nn.Module, input_batch: InputBatch, max_num_seqs: 
     except CaptureRefused as e:
         logger.info("CPU graphs: not captured (%s); decodes run eagerly", e)
         return None
+    except Exception as e:  # noqa: BLE001 - e.g. an opaque (oneDNN-packed) tensor: serve eagerly
+        logger.warning("CPU graphs: capture failed (%s: %s); decodes run eagerly", type(e).__name__, e)
+        return None
     return runner
