@@ -151,7 +151,8 @@ RULES: dict[str, Rule] = {
     "hf_token": NoOp("huggingface_hub reads its token itself (HF_TOKEN or `hf auth login`)"),
     "hf_overrides": Refused("overriding the model's config.json (hf_overrides)"),
     "tokenizer_revision": Implemented("tokenizer_revision"),
-    "quantization": Refused("quantized weights"),
+    "quantization": Implemented("quantization", refuse=lambda v: v not in (None, "int8"),
+                                feature="quantized weights other than int8 (CPU: int8 blocks of 32, made at load)"),
     "enforce_eager": Implemented("enforce_eager"),
     "disable_custom_all_reduce": NoOp("tidal's tensor parallelism always uses torch.distributed's all-reduce"),
     # ---- multimodal

@@ -138,6 +138,7 @@ class EngineConfig(VllmConfigAttrs):
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, no text out
     revision: str | None = None  # model revision on the hub (local directories ignore it)
     tokenizer_revision: str | None = None
+    quantization: str | None = None  # "int8": CPU linear layers quantized at load (worker/layers/quantization.py)
     enforce_eager: bool = False  # no CUDA graphs, and no recorded CPU decode steps (worker/cpu_graphs.py)
     # Decode batch sizes to capture CUDA graphs for (None: vLLM's grid up to max_num_seqs);
     # the front-end resolves vLLM's cuda_graph_sizes / cudagraph_capture_sizes /

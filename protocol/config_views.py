@@ -54,7 +54,6 @@ class ModelConfig:
     """vLLM's ModelConfig attributes for what tidal has."""
 
     runner_type = "generate"
-    quantization = None
     is_multimodal_model = False
     is_encoder_decoder = False
     is_hybrid = False
@@ -161,7 +160,7 @@ class ModelConfig:
 
 _MODEL_FIELDS = frozenset({"model", "seed", "generation_config", "max_logprobs", "logprobs_mode", "skip_tokenizer_init",
                            "enforce_eager", "trust_remote_code", "revision", "tokenizer_revision",
-                           "tokenizer_mode"})
+                           "tokenizer_mode", "quantization"})
 
 
 def _tp(parallel_config: Any) -> int:

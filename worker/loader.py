@@ -16,6 +16,7 @@ from torch import nn
 
 from tidal.worker.layers.embedding import VocabParallelEmbedding
 from tidal.worker.layers.gemm import half_storage_enabled
+from tidal.worker.layers.quantization import check_quantization, quantize_model
 from tidal.worker.layers.linear import LoadedWeight
 from tidal.worker.models.registry import get_model_class
 
@@ -131,14 +132,17 @@ def load_model(
     load_format: str = "auto",
     device: str | torch.device = "cpu",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Instantiate the architecture named in `hf_config` on `device` in `dtype` and load it.
 
+    quantization: None, or "int8" (CPU): linear layers and the LM head quantized after loading.
     load_format: "auto"/"safetensors" read `*.safetensors` (single or sharded via
     model.safetensors.index.json); "dummy" fills seeded random weights from the config alone.
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}; choose auto, safetensors or dummy")
+    check_quantization(quantization, device)  # before any weight is read: a clear error first
     model_cls = get_model_class(hf_config)
     files = safetensors_files(model_path) if load_format != "dummy" else []
     device = torch.device(device)
@@ -164,6 +168,11 @@ def load_model(
             process()
     if half_storage_enabled(dtype, device):
         compute_in_float32(model)
+    if quantization == "int8":
+        if dtype != torch.float32 and not half_storage_enabled(dtype, device):
+            raise ValueError(f"quantization='int8' computes in float32: dtype {dtype} needs tidal's half "
+                             "weights on the CPU (TIDAL_CPU_HALF_WEIGHTS=1), or use dtype float32")
+        quantize_model(model)
     return model.eval()
 
 

@@ -78,7 +78,8 @@ class Worker:
         torch.manual_seed(cfg.seed)
         self.hf_config = hf_config
         timer.mark("config")
-        self.model = load_model(cfg.model, hf_config, self.dtype, cfg.load_format, self.device, cfg.seed)
+        self.model = load_model(cfg.model, hf_config, self.dtype, cfg.load_format, self.device, cfg.seed,
+                                quantization=cfg.quantization)
         timer.mark("model load")
         self.drafter = self._load_draft_model()
         num_blocks = self._num_kv_blocks()

@@ -185,7 +185,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | 
     rows' results are dropped, and a row's result does not depend on the other rows."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, PanelWeight):
+    if not isinstance(packed, PackedWeight):  # PanelWeight, Int8Weight: nothing built per row count
         return packed.linear(x, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
     bucket = gemm_bucket(rows) if rows > 0 and packed.bucketed else rows
