@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import hmac
 import logging
@@ -144,9 +145,35 @@ async def read_body(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
+            parts.clear()
+            release_memory()
             raise too_large
         parts.append(chunk)
+    if size >= TRIM_AFTER_BYTES:
+        release_memory()  # the transport's buffers for a large body are freed by now
     return b"".join(parts)
+
+
+# After a body this large, freed heap is handed back to the OS: glibc keeps it otherwise
+# (620 MB stayed resident after rejected 64 MiB bodies until malloc_trim).
+TRIM_AFTER_BYTES = 8 << 20
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None on a libc without it (musl, macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_memory() -> None:
+    """Return free heap pages to the OS where the libc can (a no-op elsewhere)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 Handler = Callable[[Any, Request], Awaitable[Response]]

@@ -128,4 +128,29 @@ def structured_outputs(req: SamplingFields, tool_schema: dict[str, Any] | None =
         fields["json"] = tool_schema
     elif not own:
         return None  # no constraint (options alone, or response_format "text")
+    if fields.get("json") is not None:
+        check_schema_depth(fields["json"])
     return StructuredOutputsParams(**fields)
+
+
+# A JSON schema nested deeper than this is refused before its grammar is compiled: the
+# compiler recurses per level, and a 1000-deep schema raised RecursionError (a 500).
+MAX_SCHEMA_DEPTH = 128
+
+
+def check_schema_depth(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """400 naming the limit when `schema` (a dict or its JSON text) nests past `limit` levels.
+    Walked with an explicit stack, so the check itself cannot overflow."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError):
+            return  # malformed or too deep to parse: left to the grammar compiler's own 400
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise APIError(f"JSON schema nested deeper than {limit} levels (MAX_SCHEMA_DEPTH)",
+                           HTTPStatus.BAD_REQUEST, "response_format")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
