@@ -53,6 +53,7 @@ from tidal.protocol.messages import (
     encode_utility_result,
 )
 from tidal.utils.logging_utils import setup_logging, summarize_exception
+from tidal.utils.openmp import take_data_parallel_share
 from tidal.utils.process import GROUP_SIGNALS, exit_with_parent, unblock_group_signals, watch_signals
 
 logger = logging.getLogger("tidal.core.core_proc")
@@ -374,7 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("engine-core")
     code = 1
     try:
-        code = run_engine_core(EngineConfig.from_json(args.config_json), args.address,
+        config = EngineConfig.from_json(args.config_json)
+        if config.data_parallel_size > 1 and config.device != "cuda":
+            # Before torch starts a thread: every later thread and worker inherits the share.
+            take_data_parallel_share(config.data_parallel_rank, config.data_parallel_size)
+        code = run_engine_core(config, args.address,
                                parent_pid=args.parent_pid, error_file=args.error_file,
                                key_file=args.key_file, drain_timeout_s=args.drain_timeout_s)
     except Exception as e:  # e.g. the address cannot be bound

@@ -55,7 +55,7 @@ def _at_most(limit: int) -> Pred:
 _GENERATE = "tidal runs every model as a generative one, which is what this asks for"
 _MM = "multimodal inputs (tidal serves text-only models)"
 _LORA = "LoRA adapters"
-_DP = "data parallelism (run one engine per device group instead)"
+_DP = "data parallelism across hosts or with external load balancing (tidal runs data_parallel_size engines on this host)"
 _MOE = "tidal's models have no experts (MoE), so expert-parallel settings have nothing to act on"
 _MAMBA = "tidal's models have no Mamba layers"
 _NO_HUB_LOAD = "tidal loads local checkpoints and the huggingface_hub cache itself"
@@ -105,7 +105,7 @@ RULES: dict[str, Rule] = {
     "decode_context_parallel_size": Refused("context parallelism", ok=_at_most(1)),
     "dcp_kv_cache_interleave_size": NoOp("it only matters with context parallelism, which tidal lacks"),
     "cp_kv_cache_interleave_size": NoOp("it only matters with context parallelism, which tidal lacks"),
-    "data_parallel_size": Refused(_DP, ok=_at_most(1)),
+    "data_parallel_size": Implemented("data_parallel_size"),
     "data_parallel_rank": Refused(_DP, ok=_one_of(None, 0)),
     "data_parallel_start_rank": Refused(_DP, ok=_one_of(None, 0)),
     "data_parallel_size_local": Refused(_DP, ok=_one_of(None, 1)),

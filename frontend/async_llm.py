@@ -20,8 +20,9 @@ import warnings
 from typing import Any, AsyncGenerator, Callable, Iterable, Literal, TypeVar
 
 from tidal.frontend.core_client import AsyncMPClient
+from tidal.frontend.dp_client import DPAsyncClient
 from tidal.frontend.engine_args import AsyncEngineArgs
-from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory
+from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory, async_client
 from tidal.frontend.output_collector import RequestOutputCollector
 from tidal.frontend.request_ids import RequestIds, check_request_id
 from tidal.frontend.supervisor import CoreState
@@ -46,7 +47,7 @@ _T = TypeVar("_T")
 PauseMode = Literal["abort", "wait", "keep"]  # vLLM's (vllm.v1.engine.PauseMode)
 _PAUSE_MODES = ("abort", "wait", "keep")
 
-class AsyncLLM(FrontEnd[AsyncMPClient]):
+class AsyncLLM(FrontEnd[AsyncMPClient | DPAsyncClient]):
     def __init__(self, model: str, *, stat_loggers: list[StatLoggerFactory] | None = None,
                  **kwargs: Any) -> None:
         """`kwargs` are vLLM's engine args (AsyncEngineArgs fields); a misspelt name is a
@@ -100,7 +101,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
         self._resumed: asyncio.Event | None = None  # set while paused; set() on resume
         self._restart: asyncio.Task[None] | None = None  # replacing a lost core (_recover)
         self.log_requests = log_requests
-        self._start(config, AsyncMPClient, stat_loggers or ())
+        self._start(config, async_client, stat_loggers or ())
         # Both from the watcher thread or the handler; each runs in the loop's thread.
         self._supervise(on_lost=lambda engine, reason: engine._in_loop(engine._on_lost, reason),
                         on_dead=lambda engine, exc: engine._in_loop(engine._fail_streams, exc))
@@ -349,7 +350,7 @@ class AsyncLLM(FrontEnd[AsyncMPClient]):
                     chunk = outputs if n <= _OUTPUT_SLICE else outputs[start:start + _OUTPUT_SLICE]
                     since_yield += len(chunk)
                     self._process_outputs(chunk, outs.timestamp, it)  # into the requests' collectors
-                self._record_iteration(outs.scheduler_stats, it)
+                self._record_iteration(outs.scheduler_stats, it, outs.engine_index)
         except asyncio.CancelledError:
             raise
         except EngineDeadError:

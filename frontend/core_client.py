@@ -187,14 +187,30 @@ class AsyncMPClient(MPClientBase):
                 frames = self._sync_view.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 frames = await self.sock.recv_multipart(copy=False)
-            outs = self._decode(frames)
-            self.supervisor.check()
-            u = outs.utility_output
-            if u is not None:
-                self._resolve_utility(u)
-                if not outs.outputs:
-                    continue
-            return outs
+            if (outs := self._take(frames)) is not None:
+                return outs
+
+    def try_get_output(self) -> EngineCoreOutputs | None:
+        """`get_output_async` without waiting: the next message with step outputs that is
+        already here, else None (data parallelism reads several cores this way)."""
+        while True:
+            try:
+                frames = self._sync_view.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            if (outs := self._take(frames)) is not None:
+                return outs
+
+    def _take(self, frames: list[Any]) -> EngineCoreOutputs | None:
+        """Decode one message: a utility reply is dispatched (None when that was all of it)."""
+        outs = self._decode(frames)
+        self.supervisor.check()
+        u = outs.utility_output
+        if u is not None:
+            self._resolve_utility(u)
+            if not outs.outputs:
+                return None
+        return outs
 
     def _resolve_utility(self, u: UtilityOutput) -> None:
         fut = self._utility_futures.pop(u.call_id, None)

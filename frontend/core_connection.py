@@ -177,7 +177,16 @@ class MPClientBase:
         logger.warning("engine core at %s answered", self.address)
         return info
 
-    def resubmit(self, requests: list[EngineCoreRequest]) -> None:
+    @property
+    def supervisors(self) -> list[CoreSupervisor]:
+        """One per core (data parallelism has several: dp_client.py)."""
+        return [self.supervisor]
+
+    def held_by(self, rank: int) -> list[str] | None:
+        """The requests core `rank` holds; None: this client's one core holds them all."""
+        return None
+
+    def resubmit(self, requests: list[EngineCoreRequest], rank: int = 0) -> None:
         """Send the front-end's resumed requests to the new core (while RECONNECTING, when
         every other send is dropped)."""
         for request in requests:

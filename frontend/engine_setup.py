@@ -9,6 +9,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 from tidal.frontend.core_client import AsyncMPClient, InprocClient, SyncMPClient
+from tidal.frontend.dp_client import DPAsyncClient, DPSyncClient
 from tidal.frontend.input_processor import InputProcessor
 from tidal.frontend.metrics_stats import IterationStats, StatLoggerBase
 from tidal.frontend.output_collector import RequestOutputCollector
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-C = TypeVar("C", bound=InprocClient | SyncMPClient | AsyncMPClient)
+C = TypeVar("C", bound=InprocClient | SyncMPClient | AsyncMPClient | DPSyncClient | DPAsyncClient)
+MPClient = SyncMPClient | AsyncMPClient | DPSyncClient | DPAsyncClient
 F = TypeVar("F", bound="FrontEnd[Any]")
 # vLLM's StatLoggerFactory: called with (vllm_config, engine_index); the logger it returns gets
 # record(scheduler_stats, iteration_stats) once per core message and log() with the summary.
@@ -76,9 +78,12 @@ class FrontEnd(Generic[C]):
         if not config.disable_log_stats:
             from tidal.frontend.metrics import EngineMetrics  # prometheus_client only with stats on
 
+            engines = list(range(config.data_parallel_size))
             self.metrics = EngineMetrics(
                 self.model_config.served_model_name or config.model, info.max_model_len,
-                stat_loggers=[make(self.vllm_config, 0) for make in stat_loggers], vllm_config=self.vllm_config)
+                stat_loggers=[make(self.vllm_config, 0) for make in stat_loggers], vllm_config=self.vllm_config,
+                engine_indexes=engines,
+                engine_stat_loggers={i: [make(self.vllm_config, i) for make in stat_loggers] for i in engines[1:]})
 
     @property
     def logger_manager(self) -> EngineMetrics | None:
@@ -100,8 +105,11 @@ class FrontEnd(Generic[C]):
         """vLLM's per-request options: ValueError for what tidal (or the policy) cannot honour."""
         if lora_request is not None:
             raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled! (tidal has no LoRA adapters)")
-        if data_parallel_rank not in (None, 0):
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} is out of range [0, 1). (tidal runs one engine here)")
+        size = self.config.data_parallel_size
+        if data_parallel_rank is not None and not (
+                isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < size):
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} is out of range [0, {size}).")
+        request.data_parallel_rank = data_parallel_rank
         if (problem := check_priority(priority, self.config.scheduling_policy)) is not None:
             raise ValueError(problem)  # the core's rule and words (request_rules)
         request.priority = priority
@@ -130,9 +138,11 @@ class FrontEnd(Generic[C]):
         parallelism each core's supervisor gets one such attachment."""
         ref = weakref.ref(self)
 
-        def resume(failed_step_request_ids: list[str] | None) -> list[EngineCoreOutput]:
-            front_end = ref()
-            return [] if front_end is None else front_end._resume_requests(failed_step_request_ids)
+        def resumer(rank: int) -> Callable[[list[str] | None], list[EngineCoreOutput]]:
+            def resume(failed_step_request_ids: list[str] | None) -> list[EngineCoreOutput]:
+                front_end = ref()
+                return [] if front_end is None else front_end._resume_requests(failed_step_request_ids, rank)
+            return resume
 
         def weak(fn: Callable[[F, Any], None] | None) -> Callable[[Any], None] | None:
             if fn is None:
@@ -144,19 +154,21 @@ class FrontEnd(Generic[C]):
             return call
 
         client = self.engine_core
-        assert isinstance(client, (SyncMPClient, AsyncMPClient))
-        client.supervisor.attach(resume, on_lost=weak(on_lost), on_dead=weak(on_dead))
+        assert isinstance(client, MPClient)
+        for rank, supervisor in enumerate(client.supervisors):
+            supervisor.attach(resumer(rank), on_lost=weak(on_lost), on_dead=weak(on_dead))
 
-    def _resume_requests(self, failed_step_request_ids: list[str] | None) -> list[EngineCoreOutput]:
-        """The supervisor replaced a lost core: send the new one every open request, resuming
-        where its stream is; returns ERROR outputs for the requests given up (triage: see
-        frontend/recovery.py), to be processed like any core output."""
-        resend, give_up = self.output_processor.resume_after_crash(failed_step_request_ids)
+    def _resume_requests(self, failed_step_request_ids: list[str] | None, rank: int = 0) -> list[EngineCoreOutput]:
+        """The supervisor replaced a lost core (data parallelism: core `rank`): send the new one
+        every request the lost one held, resuming where its stream is; returns ERROR outputs for
+        the requests given up (triage: see frontend/recovery.py), to be processed like any core
+        output."""
         client = self.engine_core
-        assert isinstance(client, (SyncMPClient, AsyncMPClient))
-        client.resubmit(resend)
+        assert isinstance(client, MPClient)
+        resend, give_up = self.output_processor.resume_after_crash(failed_step_request_ids, client.held_by(rank))
+        client.resubmit(resend, rank)
         if self.metrics is not None:
-            self.metrics.record_core_restart()
+            self.metrics.record_core_restart(rank)
         quarantined = sum(r.quarantined for r in resend)
         logger.warning("resumed %d request(s) on the restarted engine core%s%s", len(resend),
                        f" ({quarantined} quarantined: each runs alone until its next token)" if quarantined else "",
@@ -167,9 +179,10 @@ class FrontEnd(Generic[C]):
         """What one core message's outputs feed when stats are on (see _record_iteration)."""
         return None if self.metrics is None else IterationStats()
 
-    def _record_iteration(self, scheduler_stats: SchedulerStats | None, it: IterationStats | None) -> None:
+    def _record_iteration(self, scheduler_stats: SchedulerStats | None, it: IterationStats | None,
+                          engine_idx: int = 0) -> None:
         if self.metrics is not None and it is not None:
-            self.metrics.record(scheduler_stats, it)
+            self.metrics.record(scheduler_stats, it, engine_idx=engine_idx)
             self.metrics.maybe_log()
 
     def _process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float | None = None,
@@ -211,6 +224,16 @@ class FrontEnd(Generic[C]):
             self.shutdown()
         except Exception:
             pass
+
+
+def sync_client(config: EngineConfig) -> SyncMPClient | DPSyncClient:
+    """LLM's client: one core, or data_parallel_size of them."""
+    return DPSyncClient(config) if config.data_parallel_size > 1 else SyncMPClient(config)
+
+
+def async_client(config: EngineConfig) -> AsyncMPClient | DPAsyncClient:
+    """AsyncLLM's client: one core, or data_parallel_size of them."""
+    return DPAsyncClient(config) if config.data_parallel_size > 1 else AsyncMPClient(config)
 
 
 def load_tokenizer(config: EngineConfig) -> Any:

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence, overload
 
 from tidal.frontend.core_client import InprocClient, SyncMPClient
+from tidal.frontend.dp_client import DPSyncClient
 from tidal.frontend.engine_args import EngineArgs
-from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory
+from tidal.frontend.engine_setup import FrontEnd, StatLoggerFactory, sync_client
 from tidal.frontend.request_ids import RequestIds
 from tidal.protocol import envs
 from tidal.protocol.config import EngineConfig
@@ -30,7 +31,7 @@ PromptType = str | dict
 _OUTPUT_WAIT_S = 1.0  # one wait for the next step; death is re-checked at least every 100 ms
 
 
-class LLMEngine(FrontEnd[InprocClient | SyncMPClient]):
+class LLMEngine(FrontEnd[InprocClient | SyncMPClient | DPSyncClient]):
     """vLLM's LLMEngine: its attributes (vllm_config, model_config, cache_config, tokenizer,
     get_tokenizer, log_stats, input_processor, output_processor, engine_core) and its step API
     (add_request, step, has_unfinished_requests, get_num_unfinished_requests, abort_request);
@@ -52,8 +53,10 @@ class LLMEngine(FrontEnd[InprocClient | SyncMPClient]):
         # Outputs of add_request's requests that arrived while generate() waited, or beside a
         # failure that step() raised: the next step() returns them first.
         self._backlog: list[RequestOutput | EngineGenerateError] = []
-        self._start(config, SyncMPClient if multiprocess_mode else InprocClient, stat_loggers or ())
-        if isinstance(self.engine_core, SyncMPClient):
+        if not multiprocess_mode and config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 needs multiprocessing: each engine core is a process")
+        self._start(config, sync_client if multiprocess_mode else InprocClient, stat_loggers or ())
+        if not isinstance(self.engine_core, InprocClient):
             # A lost core is replaced inside the wait that notices it (no callbacks needed).
             self._supervise()
 
@@ -200,7 +203,7 @@ class LLMEngine(FrontEnd[InprocClient | SyncMPClient]):
             return []
         it = self._new_iteration()
         processed = self._process_outputs(outs.outputs, outs.timestamp, it)
-        self._record_iteration(outs.scheduler_stats, it)
+        self._record_iteration(outs.scheduler_stats, it, outs.engine_index)
         return processed
 
 

@@ -38,7 +38,7 @@ import bisect
 import copy
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 import prometheus_client as prom
@@ -483,13 +483,24 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, max_model_len: int, *, prefix: str = VLLM_PREFIX,
                  engine_index: int = 0, log_interval_s: float = 10.0,
-                 stat_loggers: Sequence[StatLoggerBase] = (), vllm_config: Any = None) -> None:
-        self.engine_index = engine_index
-        self.user_loggers: list[StatLoggerBase] = list(stat_loggers)
+                 stat_loggers: Sequence[StatLoggerBase] = (), vllm_config: Any = None,
+                 engine_indexes: Sequence[int] | None = None,
+                 engine_stat_loggers: Mapping[int, Sequence[StatLoggerBase]] | None = None) -> None:
+        """`engine_indexes`: the data-parallel engines (default [engine_index]); `stat_loggers`
+        are the first engine's user loggers, `engine_stat_loggers` the others' (vLLM builds
+        a user logger per engine); each gets the records of its own engine only."""
+        engines = [engine_index] if engine_indexes is None else list(engine_indexes)
+        self.engine_index = engines[0]
+        self._user_by_engine: dict[int, list[StatLoggerBase]] = {i: [] for i in engines}
+        self._user_by_engine[engines[0]] = list(stat_loggers)
+        for i, loggers in (engine_stat_loggers or {}).items():
+            self._user_by_engine[i] = list(loggers)
+        self.user_loggers: list[StatLoggerBase] = [s for i in engines for s in self._user_by_engine[i]]
         custom = [s for s in self.user_loggers if isinstance(s, PrometheusStatLogger)]
         self.prometheus: PrometheusStatLogger = custom[0] if custom else PrometheusStatLogger(
-            vllm_config, [engine_index], model_name=model_name, max_model_len=max_model_len, prefix=prefix)
-        self.logging = LoggingStatLogger(vllm_config, engine_index)
+            vllm_config, engines, model_name=model_name, max_model_len=max_model_len, prefix=prefix)
+        self._log_lines = {i: LoggingStatLogger(vllm_config, i) for i in engines}  # one line per engine
+        self.logging = self._log_lines[engines[0]]
         self.log_interval_s = log_interval_s
         self._next_log = time.monotonic() + log_interval_s
         self._failed: set[int] = set()  # id() of each user logger whose first failure was logged
@@ -506,7 +517,8 @@ class EngineMetrics:
         return self.prometheus.prefix
 
     def _builtins(self) -> list[StatLoggerBase]:
-        return [self.logging] if self.prometheus in self.user_loggers else [self.prometheus, self.logging]
+        lines: list[StatLoggerBase] = list(self._log_lines.values())
+        return lines if self.prometheus in self.user_loggers else [self.prometheus, *lines]
 
     def log_engine_initialized(self) -> None:
         """vLLM's call once the engine is up (the built-in loggers' and each user logger's)."""
@@ -520,19 +532,25 @@ class EngineMetrics:
         """Once per `EngineCoreOutputs` message (its `scheduler_stats`, None when it had none),
         and with `scheduler_stats=None` for requests finished outside a step (user aborts)."""
         idx = self.engine_index if engine_idx is None else engine_idx
-        for stat_logger in self._builtins():
+        if idx not in self._log_lines:
+            logger.warning("Unexpected engine_idx: %d", idx)
+            return
+        builtins = [self._log_lines[idx]]
+        if self.prometheus not in self.user_loggers:
+            builtins.insert(0, self.prometheus)
+        for stat_logger in builtins:
             stat_logger.record(scheduler_stats, iteration_stats, None, idx)
         # vLLM's defaults (mm_cache_stats None, engine_idx 0) are left to the logger's signature,
         # so one written for an older vLLM (record(scheduler_stats, iteration_stats)) runs too.
         extra = {} if idx == 0 else {"engine_idx": idx}
-        for stat_logger in self.user_loggers:
+        for stat_logger in self._user_by_engine[idx]:
             # Each user logger gets copies: one that edits its stats (or keeps and edits them
             # later) cannot change what the built-in loggers hold, or what another logger sees.
             self._call_user_logger(stat_logger, "record", copy.deepcopy(scheduler_stats),
                                    copy.deepcopy(iteration_stats), **extra)
 
-    def record_core_restart(self) -> None:
-        self.prometheus.record_core_restart(self.engine_index)
+    def record_core_restart(self, engine_idx: int | None = None) -> None:
+        self.prometheus.record_core_restart(self.engine_index if engine_idx is None else engine_idx)
 
     def log(self) -> None:
         """Every logger's periodic output now (vLLM's `do_log_stats()`)."""

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from tidal.frontend.detokenizer import TokenTexts
 from tidal.frontend.metrics_stats import IterationStats
@@ -165,22 +165,28 @@ class OutputProcessor:
         exc.request_id = state.external_req_id  # type: ignore[attr-defined]
         state.queue.put(exc) if state.queue is not None else request_outputs.append(exc)
 
-    def resume_after_crash(self, failed_step_request_ids: list[str] | None = None
+    def resume_after_crash(self, failed_step_request_ids: list[str] | None = None,
+                           only: Collection[str] | None = None
                            ) -> tuple[list[EngineCoreRequest], list[EngineCoreOutput]]:
         """The engine core died and a new one runs: the requests to send it, each resuming
         where its stream is (the tokens generated so far go as `resumed_output_token_ids`, the
         prompt-logprob rows received are not sent again), and an ERROR output for each request
         given up; which is which is `recovery.triage`'s blame rule. What the lost core had sent
         after the last message read here is generated again, identically (sampling is a
-        function of seed and position)."""
-        self._awaiting_final.clear()  # the old core's final outputs will never come
+        function of seed and position). `only`: the requests the lost core held (data
+        parallelism: one of several cores died); None: every open request."""
+        lost = (lambda rid: True) if only is None else set(only).__contains__
+        # The old core's final outputs will never come.
+        for rid in [rid for rid in self._awaiting_final if lost(rid)]:
+            del self._awaiting_final[rid]
         # A parking request's run ended with the core: parked. Parked ones stay out of the new
         # core until unpark_requests (and out of the blame: they were not running).
-        self._parked.update(self._parking)
-        self._parking.clear()
+        ended = {rid for rid in self._parking if lost(rid)}
+        self._parked.update(ended)
+        self._parking.difference_update(ended)
         states, parked = self.request_states, self._parked
-        plan = triage(((st.resume, len(st.generated)) for rid, st in states.items() if rid not in parked),
-                      failed_step_request_ids)
+        plan = triage(((st.resume, len(st.generated)) for rid, st in states.items()
+                       if rid not in parked and lost(rid)), failed_step_request_ids)
         resend: list[EngineCoreRequest] = []
         for record in plan.resend:
             state = states[record.request_id]

@@ -115,6 +115,10 @@ class CoreSupervisor:
         if on_dead is not None:
             self._on_dead.append(on_dead)
 
+    def attach_dead_callback(self, on_dead: Callable[[EngineDeadError], None]) -> None:
+        """One more `on_dead` (data parallelism: one core's death fails the others)."""
+        self._on_dead.append(on_dead)
+
     @property
     def live(self) -> bool:
         return self.state is CoreState.LIVE

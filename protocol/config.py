@@ -180,6 +180,12 @@ class EngineConfig(VllmConfigAttrs):
     # at tensor_parallel_size=1), "uni" (one rank, in the core's process) or "ray" (the ranks as
     # Ray actors, placed by Ray: tidal.core.ray_executor).
     distributed_executor_backend: str = "mp"
+    # vLLM's data_parallel_size: that many engine cores (each with its own tensor-parallel
+    # ranks) behind one front-end, which routes each request to the least loaded one
+    # (frontend/dp_client.py). data_parallel_rank is a core's own index, set by the front-end
+    # for each core it starts (it offsets the core's devices and labels its outputs).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -190,6 +196,14 @@ class EngineConfig(VllmConfigAttrs):
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank}.")
+        if self.data_parallel_size > 1 and self.core_address is not None:
+            raise ValueError("data_parallel_size > 1 starts its own engine cores: it cannot be combined with "
+                             "core_address (a headless core is one engine)")
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -182,10 +182,11 @@ class CacheConfig:
 
 class ParallelConfig:
     pipeline_parallel_size = 1
-    data_parallel_size = 1
-    data_parallel_rank = 0
 
     def __init__(self, cfg: "EngineConfig") -> None:
+        self.data_parallel_size = cfg.data_parallel_size
+        self.data_parallel_size_local = cfg.data_parallel_size
+        self.data_parallel_rank = cfg.data_parallel_rank
         self.distributed_executor_backend = cfg.distributed_executor_backend
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.world_size = cfg.tensor_parallel_size

@@ -74,6 +74,8 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # vLLM's prompt `cache_salt`: mixed into the hash of the first block, so only requests with
     # the same salt share prefix-cache blocks (tenants cannot probe each other's prompts).
     cache_salt: str | None = None
+    # vLLM's: the data-parallel engine this request must run on (None: the front-end picks).
+    data_parallel_rank: int | None = None
 
 
 # An argument of a utility call: scalars only (no utility takes a container), so that an
@@ -194,6 +196,7 @@ class EngineCoreOutputs(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # [] when none of its requests were (or the core stopped on purpose), None when unknown
     # (no step was running, or the message did not say).
     failed_step_request_ids: list[str] | None = None
+    engine_index: int = 0  # vLLM's: the data-parallel rank of the core that sent it
 
 
 # ---------------------------------------------------------------- core -> workers

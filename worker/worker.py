@@ -28,7 +28,10 @@ def resolve_device(config: EngineConfig, rank: int) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    # Data-parallel cores on one host take consecutive device groups: core d's rank r is on
+    # device d * tensor_parallel_size + r.
+    index = config.data_parallel_rank * config.tensor_parallel_size + rank
+    return torch.device("cuda", index % torch.cuda.device_count())
 
 
 class Worker:

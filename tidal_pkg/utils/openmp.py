@@ -49,3 +49,20 @@ def threads_per_rank(world_size: int) -> int:
     matmul can get 10x slower), so each of `world_size` ranks takes an equal share."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, world_size))
+
+
+def take_data_parallel_share(rank: int, size: int) -> list[int] | None:
+    """Data-parallel engine cores on one host's CPUs: core `rank` of `size` keeps only its
+    contiguous share of this process's CPUs (its workers, started later, inherit it), so the
+    cores' OpenMP teams never spin against each other and threads_per_rank counts the share.
+    Returns the CPUs kept; None (nothing changed) when there are fewer CPUs than cores (they
+    share then) or the platform cannot pin."""
+    if size <= 1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < size:
+        return None
+    per = len(cpus) // size
+    share = cpus[rank * per:(rank + 1) * per]
+    os.sched_setaffinity(0, share)
+    return share
