@@ -21,7 +21,7 @@ import shlex
 import statistics
 import sys
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import (  # noqa: E402
@@ -60,25 +60,36 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     return args, engine_argv
 
 
-def run(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[float, float]]:
-    """(A's output tok/s, B's) per workload."""
+class Side(NamedTuple):
+    name: str
+    env: dict[str, str]  # set for its server on top of this process's
+    extra: str  # more `tidal serve` arguments (one string)
+    cpus: list[int] | None = None  # its server (and what it starts) pinned to these CPUs
+
+
+def run_sides(args: argparse.Namespace, engine_argv: list[str], specs: list[Side]) -> list[dict[str, float]]:
+    """Every side's server up at once, each workload run on each side in turn (the order
+    reversed every other workload: a drift favours none); output tok/s per side per workload."""
     from tidal.utils.network import free_port
 
     sides: list[tuple[str, str, Any]] = []  # (name, base url, process)
     logs = []
     try:
-        for name, env, extra in (("A", parse_env(args.a_env), args.a_args), ("B", parse_env(args.b_env), args.b_args)):
+        for spec in specs:
             port = free_port()
-            log = tempfile.NamedTemporaryFile(prefix=f"tidal-serve-{name}-", suffix=".log", delete=False)
+            log = tempfile.NamedTemporaryFile(prefix=f"tidal-serve-{spec.name}-", suffix=".log", delete=False)
             logs.append(log)
-            argv = [*engine_argv, *shlex.split(extra)]
-            sides.append((name, f"http://127.0.0.1:{port}", start_server(args.model, port, argv, log, env)))
+            argv = [*engine_argv, *shlex.split(spec.extra)]
+            proc = start_server(args.model, port, argv, log, spec.env)
+            if spec.cpus is not None:  # before it starts its core: that inherits the set
+                os.sched_setaffinity(proc.pid, spec.cpus)
+            sides.append((spec.name, f"http://127.0.0.1:{port}", proc))
         warmups, workloads = make_workloads(args)
         for _, base, proc in sides:
             asyncio.run(wait_healthy(base, proc, args.ready_timeout))
             for requests in warmups:
                 asyncio.run(run_client(base, requests, args, proc.pid))
-        pairs = []
+        rows = []
         for i, requests in enumerate(workloads):
             rates = {}
             for name, base, proc in (sides if i % 2 == 0 else sides[::-1]):
@@ -92,8 +103,8 @@ def run(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[float, f
                 print(f"workload {i} server {name}: {rates[name]:.1f} output tok/s; CPU s: client {cpu[0]:.2f}, "
                       f"front-end {cpu[1]:.2f}, engine core {cpu[2]:.2f}; mean ms: TTFT {ttft:.0f}, "
                       f"TPOT {tpot:.1f}, ITL {itl:.1f}; chunks per token {chunks:.2f}", flush=True)
-            pairs.append((rates["A"], rates["B"]))
-        return pairs
+            rows.append(rates)
+        return rows
     except BaseException:
         for log in logs:  # kept: what the failing server said
             log.close()
@@ -106,6 +117,13 @@ def run(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[float, f
         for log in logs:
             log.close()
             os.unlink(log.name)
+
+
+def run(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[float, float]]:
+    """(A's output tok/s, B's) per workload."""
+    rows = run_sides(args, engine_argv, [Side("A", parse_env(args.a_env), args.a_args),
+                                         Side("B", parse_env(args.b_env), args.b_args)])
+    return [(r["A"], r["B"]) for r in rows]
 
 
 def main() -> None:
