@@ -14,6 +14,7 @@ import numpy as np
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo, read_model_limits, resolve_max_model_len
 from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from tidal.protocol.sizing import max_useful_kv_blocks
+from tidal.worker.spec_decode import grammar_proposal_rows  # torch-free: the bitmask's row layout
 
 
 class Executor(ABC):
@@ -94,6 +95,8 @@ class NullExecutor(Executor):
         req_ids = list(so.num_scheduled_tokens)
         grammar_rows = {rid: i for i, rid in enumerate(so.structured_output_request_ids)}
         spec = so.scheduled_spec_decode_tokens
+        # Constrained requests' proposal rows are masked too (after their first rows' masks).
+        proposal_rows = grammar_proposal_rows(grammar_rows, spec) if spec and grammar_rows else {}
         sampled: list[list[int]] = []
         for rid in req_ids:
             drafts = spec.get(rid, ()) if spec else ()
@@ -108,7 +111,10 @@ class NullExecutor(Executor):
             for j, draft in enumerate(drafts if out else ()):
                 if draft != out[-1]:
                     break
-                out.append(self._token(rid, end + j + 1))
+                token = self._token(rid, end + j + 1)
+                if rid in proposal_rows and so.grammar_bitmask is not None:
+                    token = _allowed_from(so.grammar_bitmask[proposal_rows[rid] + j], token, self.vocab_size)
+                out.append(token)
             sampled.append(out)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 

@@ -25,6 +25,20 @@ such a request k rows of DRAFT_PENDING, and the worker's drafter (worker/draft_m
 them with the draft's tokens before the target's forward pass of the same step. The core
 counts acceptance from how many tokens come back, so it never needs their values.
 
+A structured-output request speculates with the n-gram proposer: its grammar decides each
+row's mask as decoding would. `propose` keeps the proposals while the grammar takes them
+(cut before one it forbids or one that ends it: neither could be followed by a counted row),
+checked on the request's matcher, which is rolled back at once. After the schedule,
+`StructuredOutputManager.fill_bitmask` gives the request's first row its mask as before and
+appends one bitmask row per proposal (the mask after the proposals before it: the matcher is
+advanced over them, then rolled back), in the layout worker/spec_decode.py's
+`grammar_proposal_rows` reads; the worker masks all 1 + k rows. Row j's mask only matters when
+proposals 0..j-1 were accepted, and then it is the mask decoding one by one would give, so the
+tokens stay those of decoding. The scheduler then feeds the emitted tokens to the matcher one
+by one (core/stop_check.py), as without speculation: the matcher is never left advanced over a
+rejected proposal. With a draft model a structured request gets no proposals: they are made
+in the worker after the core built the step's masks.
+
 It pays or it steps aside (the proposals only decide speed, never tokens): each request's
 proposal count adapts to what it had accepted -- one more than its last draft's accepted run,
 up to k -- and a request whose last MISS_LIMIT drafts had nothing accepted sits out a number
@@ -32,8 +46,9 @@ of steps (doubling, up to MAX_BACKOFF) before it tries again. A whole step specu
 all from disable_by_batch_size running requests on.
 
 No proposals (the request decodes one token, as without speculation) for: a structured-output
-request (its grammar would have to check each proposal and roll back), a request the n-gram
-does not match, and every request of a step that runs `disable_by_batch_size` requests or more.
+request with a draft model (above), a request the n-gram does not match (or whose grammar
+forbids its first proposal), and every request of a step that runs `disable_by_batch_size`
+requests or more.
 Stop strings are the front-end's: it cuts a step's tokens at the one that completes one.
 """
 from __future__ import annotations
@@ -105,13 +120,18 @@ class SpecDecoder:
         k = min(self.k if request.spec_k is None else request.spec_k, max_tokens,
                 request.max_tokens - request.num_output_tokens - 1,  # the bonus token is the last allowed
                 self.max_model_len - 1 - request.num_tokens)
-        if k <= 0 or not eligible(request):
-            return []
         cfg = self.config
+        if k <= 0 or not eligible(request, cfg.method):
+            return []
         if cfg.method == "draft_model":
             return [DRAFT_PENDING] * k
         tokens = np.asarray(request.all_token_ids, dtype=np.int64)
-        return ngram_propose(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+        proposals = ngram_propose(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+        so = request.structured_output_request
+        if proposals and so is not None:
+            # Rows after a proposal the grammar forbids (or ends on) would never count: none.
+            proposals = proposals[: so.num_valid_proposals(proposals)]
+        return proposals
 
     def record(self, num_draft_tokens: int, num_accepted: int, request: Request | None = None) -> None:
         """Count a verified draft, and adapt `request`'s next proposal count to it."""
@@ -124,7 +144,6 @@ class SpecDecoder:
         for i in range(num_accepted):
             per_pos[i] += 1
 
-
     def _adapt(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         request.spec_k = min(self.k, num_accepted + 1)
         if num_accepted:
@@ -136,8 +155,9 @@ class SpecDecoder:
             request.spec_skip, request.spec_misses = request.spec_backoff, 0
 
 
-def eligible(request: Request) -> bool:
+def eligible(request: Request, method: str) -> bool:
     """Whether speculation can be verified exactly for this request (see the module's list)."""
-    if request.structured_output_request is not None:
+    so = request.structured_output_request
+    if so is not None and (method == "draft_model" or not so.ready):
         return False
     return PROPOSE_WITH_STOP_STRINGS or not request.sampling_params.stop

@@ -13,7 +13,10 @@ A constrained request's life:
    and becomes WAITING; a failed one (invalid spec, past grammar_compile_timeout_s, a child
    that died) is returned, for the engine to end it alone with an error.
 3. After the schedule, `fill_bitmask`: one bitmask row per constrained request that samples
-   this step, shipped in the SchedulerOutput; the worker masks those rows' logits.
+   this step, shipped in the SchedulerOutput; the worker masks those rows' logits. A request
+   that verifies speculative proposals (core/spec_decode.py) gets one more row per proposal,
+   appended after those (worker/spec_decode.py's `grammar_proposal_rows`): the mask after the
+   proposals before it, made by advancing the matcher over them and rolling it back.
 4. The scheduler advances the matcher with each token it keeps (`accept_token`); a matcher that
    reaches its end finishes the request with finish_reason "stop".
 5. A request ended from outside (abort, a gone front-end) is `release`d: a compile that no
@@ -34,6 +37,7 @@ import concurrent.futures as cf
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -106,6 +110,45 @@ class StructuredOutputRequest:
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
+
+    def num_valid_proposals(self, proposals: Sequence[int]) -> int:
+        """How many leading `proposals` the grammar takes one after another without ending on
+        one (a row after a forbidden or a final proposal would never count). The matcher is
+        left as it was (rolled back)."""
+        matcher = self.matcher
+        accepted = 0
+        try:
+            for t in proposals:
+                if t < 0 or not matcher.accept_token(t):
+                    return accepted
+                accepted += 1
+                if matcher.is_terminated():
+                    return accepted - 1
+            return accepted
+        finally:
+            if accepted:
+                matcher.rollback(accepted)
+
+    def fill_proposal_masks(self, proposals: Sequence[int], bitmask: np.ndarray, first_row: int) -> None:
+        """Rows first_row + j of `bitmask`: the mask after proposals 0..j, i.e. of the row that
+        follows proposal j. From a proposal the grammar forbids (or one it ends on) on, every
+        token is allowed: those rows' samples never count (the proposal cannot be accepted, or
+        the request stops on it). The matcher is left as it was (rolled back)."""
+        matcher = self.matcher
+        accepted = 0
+        try:
+            for j, t in enumerate(proposals):
+                if t < 0 or matcher.is_terminated() or not matcher.accept_token(t):
+                    bitmask[first_row + j:first_row + len(proposals)] = -1
+                    return
+                accepted += 1
+                if matcher.is_terminated():
+                    bitmask[first_row + j:first_row + len(proposals)] = -1
+                    return
+                matcher.fill_next_token_bitmask(bitmask, first_row + j)
+        finally:
+            if accepted:
+                matcher.rollback(accepted)
 
 
 class StructuredOutputManager:
@@ -292,7 +335,7 @@ class StructuredOutputManager:
         if not self._active:
             return []
         scheduled = scheduler_output.num_scheduled_tokens
-        matchers: list[Any] = []
+        grammars: list[StructuredOutputRequest] = []
         ids: list[str] = []
         failed: list[GrammarFailure] = []
         for rid, request in list(self._active.items()):
@@ -306,17 +349,28 @@ class StructuredOutputManager:
                 so = request.structured_output_request
                 if so is not None and not so.is_terminated():
                     ids.append(rid)
-                    matchers.append(so.matcher)
+                    grammars.append(so)
         if not ids:
             return failed
-        bitmask = np.empty((len(ids), self.bitmask_width), dtype=np.int32)  # fresh: it travels
-        for row, matcher in enumerate(matchers):
+        # Rows 0..len(ids)-1: each request's first row; then its proposal rows (speculative
+        # decoding), request after request in `ids` order (grammar_proposal_rows' layout).
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        proposals = [spec.get(rid) or () for rid in ids]
+        num_rows = len(ids) + sum(len(p) for p in proposals)
+        bitmask = np.empty((num_rows, self.bitmask_width), dtype=np.int32)  # fresh: it travels
+        extra = len(ids)
+        for row, (so, drafts) in enumerate(zip(grammars, proposals)):
             try:
-                matcher.fill_next_token_bitmask(bitmask, row)
+                so.matcher.fill_next_token_bitmask(bitmask, row)
+                if drafts:
+                    so.fill_proposal_masks(drafts, bitmask, extra)
             except Exception as e:
-                bitmask[row] = -1  # all allowed; the request is ended before its token counts
+                # All allowed; the request is ended before its tokens count.
+                bitmask[row] = -1
+                bitmask[extra: extra + len(drafts)] = -1
                 failed.append(GrammarFailure(self._active.pop(ids[row]), f"filling the token bitmask failed: "
                                                                          f"{summarize_exception(e)}", False))
+            extra += len(drafts)
         scheduler_output.structured_output_request_ids = ids
         scheduler_output.grammar_bitmask = bitmask
         return failed

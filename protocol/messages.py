@@ -247,8 +247,11 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # Requests whose runner state must be dropped (finished, aborted or preempted) before this step.
     finished_req_ids: list[str] = []
     # Structured outputs: the constrained requests that sample this step, and row i of
-    # `grammar_bitmask` [len(ids), ceil(vocab / 32)] int32 is the packed set of tokens request
-    # ids[i] may sample (bit t % 32 of word t // 32). Unconstrained rows are not in it.
+    # `grammar_bitmask` [len(ids) + proposals, ceil(vocab / 32)] int32 is the packed set of
+    # tokens request ids[i] may sample (bit t % 32 of word t // 32). Unconstrained rows are not
+    # in it. After those rows come one per speculative proposal of each constrained request,
+    # request by request in ids order: the mask after the proposals before it
+    # (worker/spec_decode.py grammar_proposal_rows reads this layout).
     structured_output_request_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
     # Speculative decoding (vLLM's name): req_id -> the tokens proposed after its last one. Such a

@@ -198,8 +198,9 @@ def test_penalties_min_tokens_and_eos(core_off: EngineCore, core_on: EngineCore)
 
 
 def test_structured_output_request_in_the_batch(core_off: EngineCore, core_on: EngineCore) -> None:
-    """Constrained requests decode one token a step (no proposals) behind requests that
-    speculate: each bitmask lands on its request's own row among the step's sampling rows."""
+    """Constrained requests behind requests that speculate (n-gram: they speculate too, each
+    proposal row masked; draft model: one token a step): each bitmask lands on its request's
+    own rows among the step's sampling rows (tests/test_spec_structured.py has the rest)."""
     prompts = repeating_prompts(6, 4)
     constrained = [
         req("so", prompts[0], SamplingParams(temperature=0.8, seed=9, max_tokens=30,
@@ -605,30 +606,50 @@ def test_scheduler_stop_inside_the_run() -> None:
 
 
 class _Grammar:
-    """Stands in for a structured-output request's grammar state."""
+    """Stands in for a structured-output request's grammar state: it forbids `forbidden`."""
 
     ready = True
 
+    def __init__(self, forbidden: int = -1) -> None:
+        self.forbidden = forbidden
+
     def accept_token(self, token: int) -> bool:
-        return True
+        return token != self.forbidden
 
     def is_terminated(self) -> bool:
         return False
 
+    def num_valid_proposals(self, proposals: list[int]) -> int:
+        return proposals.index(self.forbidden) if self.forbidden in proposals else len(proposals)
+
 
 def test_scheduler_makes_no_proposals_when_it_cannot_or_should_not() -> None:
-    # structured outputs: one token a step (stop strings speculate: the front-end cuts the
-    # tokens after one); after a draft with nothing accepted, one proposal (adaptive k)
+    # stop strings speculate (the front-end cuts the tokens after one); structured outputs
+    # speculate, cut before the first proposal their grammar forbids; after a draft with
+    # nothing accepted, one proposal (adaptive k)
     s = _scheduler()
     s.add_request(_request("stop", P, stop=["x"]))
     s.add_request(_request("plain", P))
     _step(s, {"stop": [13], "plain": [13]})
     so, _ = _step(s, {"stop": [14], "plain": [99]})
     assert so.scheduled_spec_decode_tokens == {"stop": [14, 15, 10], "plain": [14, 15, 10]}
-    s.requests["plain"].structured_output_request = _Grammar()  # type: ignore[assignment]
+    s.requests["plain"].structured_output_request = _Grammar(forbidden=15)  # type: ignore[assignment]
     s.requests["plain"].all_token_ids[-1] = s.requests["plain"].output_token_ids[-1] = 14  # a match again
+    s.requests["plain"].spec_k = None
     so, _ = _step(s, {"stop": [15], "plain": [15]})
-    assert so.scheduled_spec_decode_tokens == {"stop": [15]}
+    assert so.scheduled_spec_decode_tokens == {"stop": [15]}  # plain: its first proposal, 15, is forbidden
+    s.requests["plain"].structured_output_request = _Grammar(forbidden=12)  # type: ignore[assignment]
+    so, _ = _step(s, {"stop": [10], "plain": [10]})
+    assert so.scheduled_spec_decode_tokens["plain"] == [10, 11]  # "13 14 15" proposes 10 11 12: cut before 12
+    # a draft model proposes in the worker, after the core built the masks: none for a grammar
+    from tidal.core.spec_decode import SpecDecoder
+
+    drafted = SpecDecoder(SpeculativeConfig.from_value({"method": "draft_model", "model": "unused",
+                                                        "num_speculative_tokens": 3}), 256)
+    r = s.requests["plain"]
+    assert drafted.propose(r, 8) == []
+    r.structured_output_request = None
+    assert len(drafted.propose(r, 8)) > 0
     # disable_by_batch_size: none while that many requests run
     s = _scheduler(disable_by_batch_size=2)
     s.add_request(_request("x", P, max_tokens=2))

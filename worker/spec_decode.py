@@ -8,10 +8,12 @@ would sample it were those proposals its tokens. `verify` keeps the samples up t
 that differs from its proposal: row j only counts when d_0..d_{j-1} were all accepted, and
 then its inputs (KV, history, position) are those of decoding one by one. So the tokens
 emitted are the ones decoding without speculation yields, greedy and seeded random alike.
+A structured-output request's row j is masked with the grammar's state after d_0..d_{j-1}
+(`grammar_proposal_rows`: where those masks sit in the step's bitmask), as decoding masks it.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def verify(target: Sequence[int], draft: Sequence[int]) -> list[int]:
@@ -38,3 +40,20 @@ def row_layout(sample_rows: Sequence[int], spec: dict[int, list[int]]) -> tuple[
         counts.append(n)
         offset += n
     return firsts, counts
+
+
+def grammar_proposal_rows(structured_ids: Iterable[str], spec: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """Where each constrained request's proposal masks start in a step's grammar bitmask: row
+    i < len(structured_ids) masks request i's first row; then come, request after request in
+    `structured_ids` order, one row per proposal of each that verifies some (`spec`: req_id ->
+    its proposals), the mask of the sampling row that follows that proposal. The core builds
+    this layout (StructuredOutputManager.fill_bitmask); the runners read it."""
+    ids = list(structured_ids)
+    rows: dict[str, int] = {}
+    offset = len(ids)
+    for rid in ids:
+        drafts = spec.get(rid)
+        if drafts:
+            rows[rid] = offset
+            offset += len(drafts)
+    return rows

@@ -16,7 +16,9 @@ than one, no single request explains it (device, bug): that is raised, for the e
 Speculative decoding: a request verifying k proposals has k + 1 consecutive sampling rows
 (worker/spec_decode.py): row j is sampled at position len(tokens) + j with the proposals
 before it as history, and the request gets `verify`'s tokens, their logprobs one row each.
-A row left with no token cuts the run there (the request fails if it is the first).
+A row left with no token cuts the run there (the request fails if it is the first). A
+structured-output request's k + 1 rows are all masked, row j with its grammar's state after
+the proposals before it (the core appends those masks to the step's bitmask).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from tidal.worker.block_ops import argmax
 from tidal.worker.logits_processors import (NO_TOKEN, apply_token_bitmask, argmax_is_masked, every_token_masked,
                                             needs_output_history)
 from tidal.worker.sampler import Sampler, SamplingMetadata
-from tidal.worker.spec_decode import row_layout, verify
+from tidal.worker.spec_decode import grammar_proposal_rows, row_layout, verify
 
 if TYPE_CHECKING:
     from tidal.worker.model_runner import CachedRequestState, _Batch
@@ -90,7 +92,7 @@ class StepSampling:
         grammar = [row for row, i in enumerate(batch.sample_rows) if batch.req_ids[i] in batch.grammar_rows]
         if layout is not None:  # row j of a request: position + j, its proposals before j as history
             firsts, counts = layout
-            grammar = [firsts[row] for row in grammar]
+            grammar = [firsts[row] + j for row in grammar for j in range(counts[row])]  # all masked
             rows = [(r, j) for r, c in enumerate(counts) for j in range(c)]
             drafts = [batch.spec.get(i, empty) for i in batch.sample_rows]
             params = [params[r] for r, _ in rows]
@@ -203,17 +205,29 @@ class StepSampling:
 
     @staticmethod
     def _apply_grammar_bitmask(batch: _Batch, logits: torch.Tensor, firsts: list[int] | None = None) -> None:
-        """Mask the constrained rows of `logits` (one per batch.sample_rows, or the rows
-        `firsts` names: a constrained request has no proposals, so one row) in place. Keyed
-        by request id, so it serves a retry on a subset of the rows too."""
+        """Mask the constrained rows of `logits` in place: one per batch.sample_rows, or with
+        proposals (`firsts`: each request's first logits row) all 1 + k rows of a request,
+        row j with the grammar's mask after its proposals 0..j-1 (grammar_proposal_rows'
+        layout). Keyed by request id, so it serves a retry on a subset of the rows too."""
         assert batch.grammar_bitmask is not None
         rows: list[int] = []
         masks: list[int] = []
+        extra: dict[str, int] = {}
+        if firsts is not None and batch.spec:
+            ordered = sorted(batch.grammar_rows, key=batch.grammar_rows.__getitem__)  # the core's id order
+            extra = grammar_proposal_rows(ordered, {batch.req_ids[i]: d for i, d in batch.spec.items()})
         for row, i in enumerate(batch.sample_rows):
-            j = batch.grammar_rows.get(batch.req_ids[i])
-            if j is not None:
-                rows.append(row if firsts is None else firsts[row])
-                masks.append(j)
+            rid = batch.req_ids[i]
+            j = batch.grammar_rows.get(rid)
+            if j is None:
+                continue
+            first = row if firsts is None else firsts[row]
+            rows.append(first)
+            masks.append(j)
+            if rid in extra:
+                n = len(batch.spec[i])
+                rows.extend(range(first + 1, first + 1 + n))
+                masks.extend(range(extra[rid], extra[rid] + n))
         if rows:
             apply_token_bitmask(logits, batch.grammar_bitmask[masks], rows)
 
