@@ -21,7 +21,8 @@ from tidal.protocol.speculative import SpeculativeConfig
 # classes); kept here, torch-free, so a front-end rejects a model before starting any process.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                           "GptOssForCausalLM")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default ballpark
 CORE_RESTART_WINDOW_S = 600.0  # max_core_restarts counts the restarts within this window
 # The most whitespace characters a JSON grammar allows in one gap between tokens ("{", keys,
@@ -335,11 +336,24 @@ def resolve_max_model_len(requested: int | None, model_max: int) -> int:
     return requested or model_max
 
 
+def check_checkpoint_quantization(raw: Mapping[str, Any]) -> None:
+    """A ValueError for a checkpoint whose weights are stored quantized in a format tidal
+    cannot read: MXFP4 (gpt-oss's published experts, `*_blocks` / `*_scales` tensors), which
+    would otherwise fail later as a pile of missing expert weights."""
+    quant = raw.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", None)
+    if isinstance(method, str) and method.lower() == "mxfp4":
+        raise ValueError("this checkpoint's weights are MXFP4-quantized (quantization_config.quant_method "
+                         "'mxfp4'), which tidal does not support; use a bf16 checkpoint of the model "
+                         "(bf16 and fp32 checkpoints load)")
+
+
 def check_model(config: EngineConfig) -> None:
     """Before any process starts, a ValueError for what config.json already rules out: no
-    architecture tidal implements (the supported ones are named), a max_model_len above the
-    model's. Anything else wrong with the checkpoint (no config.json, unreadable JSON, missing
-    keys) is left to the loader, whose error names it."""
+    architecture tidal implements (the supported ones are named), weights quantized in a format
+    tidal cannot read (check_checkpoint_quantization), a max_model_len above the model's.
+    Anything else wrong with the checkpoint (no config.json, unreadable JSON, missing keys) is
+    left to the loader, whose error names it."""
     try:
         with open(os.path.join(config.model, "config.json")) as f:
             raw = json.load(f)
@@ -350,6 +364,8 @@ def check_model(config: EngineConfig) -> None:
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"unsupported model architecture(s) {archs} in {config.model!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if isinstance(raw, Mapping):
+        check_checkpoint_quantization(raw)
     resolve_max_model_len(config.max_model_len, model_max)
 
 

@@ -20,13 +20,15 @@ _QWEN_STYLE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Architectures whose HF classes interleave local (sliding) and global layers by `layer_types`,
 # else by a fixed pattern: every `pattern`-th layer (1-based) is global. transformers' defaults:
 # Gemma2Config alternates (2); Gemma3TextConfig reads `sliding_window_pattern` (6).
-_INTERLEAVED = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "Gemma3ForConditionalGeneration": 6}
+# GptOssConfig alternates like Gemma 2 (sliding from layer 0).
+_INTERLEAVED = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "Gemma3ForConditionalGeneration": 6,
+                "GptOssForCausalLM": 2}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 # config.json's model_type -> architecture, for configs that name no architectures.
 _BY_MODEL_TYPE = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "gemma3": "Gemma3ForConditionalGeneration"}
+                  "gemma3": "Gemma3ForConditionalGeneration", "gpt_oss": "GptOssForCausalLM"}
 # transformers' Qwen2Config / Qwen3Config default when config.json names no max_window_layers.
 _DEFAULT_MAX_WINDOW_LAYERS = 28
 
@@ -38,7 +40,7 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     ignores `layer_types`). Qwen2/Qwen3: nothing slides unless `use_sliding_window`; then `layer_types`
     when given, else the layers from `max_window_layers` on (the first ones stay full).
     Qwen3-MoE: every layer when `use_sliding_window`. Llama: never (LlamaConfig has no window).
-    Gemma 2 / Gemma 3: the `sliding_attention` layers of `layer_types`, else (a config.json
+    Gemma 2 / Gemma 3 / gpt-oss: the `sliding_attention` layers of `layer_types`, else (a config.json
     without them) transformers' default pattern: Gemma 2 alternates local / global from a local
     layer 0, Gemma 3 makes every `sliding_window_pattern`-th layer (default 6) global.
     """
@@ -86,7 +88,7 @@ def gemma_layer_types(config: Any) -> list[str]:
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else _BY_MODEL_TYPE.get(getattr(config, "model_type", ""), "")
     pattern = _INTERLEAVED.get(arch, 2)
-    if arch != "Gemma2ForCausalLM":  # Gemma2Config has no such field
+    if arch not in ("Gemma2ForCausalLM", "GptOssForCausalLM"):  # their configs have no such field
         pattern = int(getattr(config, "sliding_window_pattern", None) or pattern)
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 

@@ -371,7 +371,7 @@ def test_registry_and_loader_errors(tmp_path: Any, models: dict[str, Loaded]) ->
 
     assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                    "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                                   "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"}
+                                   "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GptOssForCausalLM"}
     cfg = AutoConfig.from_pretrained(models["qwen3-tied"].path)
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):

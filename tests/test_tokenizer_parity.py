@@ -55,7 +55,10 @@ ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
          "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
          "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-         "Gemma3ForConditionalGeneration": "gemma3"}  # its language model is gemma3's
+         "Gemma3ForConditionalGeneration": "gemma3",  # its language model is gemma3's
+         # gpt-oss ships a byte-level BPE tokenizer.json under PreTrainedTokenizerFast, which
+         # transformers loads as written for model_type gpt_oss: make_model's qwen3 files' case.
+         "GptOssForCausalLM": "qwen3"}
 SP_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 

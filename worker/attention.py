@@ -43,8 +43,10 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor = torch.empty(0)
         self.v_cache: torch.Tensor = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]; sinks [H]: gpt-oss's per-head sink logits
+        (see AttentionBackend.forward), held by the model's attention module."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -52,12 +54,12 @@ class Attention(nn.Module):
         metadata = get_forward_context()
         if metadata is None or self.k_cache.numel() == 0:
             # Dummy/profile run: the whole input is one causal sequence, nothing is cached.
-            out = causal_attention(q, k, v, self.scale, self.sliding_window, self.logits_soft_cap)
+            out = causal_attention(q, k, v, self.scale, self.sliding_window, self.logits_soft_cap, sinks)
         else:
             if self.backend is None:
                 self.backend = attention_backend_for(self.k_cache.device)
             out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale,
-                                       self.sliding_window, softcap=self.logits_soft_cap)
+                                       self.sliding_window, softcap=self.logits_soft_cap, sinks=sinks)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -26,13 +26,17 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [H] float (gpt-oss's learned attention sinks)
     ) -> torch.Tensor:  # [T, H, D]
         """Write k/v into the caches at metadata.slot_mapping, then attend: each query at
         position i over its sequence's positions (i - sliding_window, i] (all of [0, i] when
         None). Positions before a sliding window are never read: their blocks may be freed.
         softcap (Gemma 2's attn_logit_softcapping; None: none): every scaled score s becomes
         softcap * tanh(s / softcap) before the mask and softmax. Every backend implements it
-        (a backend that could not would have to hand the call to one that can, never drop it)."""
+        (a backend that could not would have to hand the call to one that can, never drop it).
+        sinks (None: none): one learned logit per query head that joins every softmax's
+        denominator and attends to nothing (transformers' GptOssAttention), so a row's weights
+        sum to less than 1; the same rule applies (hand the call on, never drop them)."""
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")

@@ -5,7 +5,8 @@ flash kernel handles them well. Decodes are where the torch path loses: it must 
 sequence's blocks into a padded tensor (a copy of the whole context, every layer, every step)
 before SDPA can run, and SDPA's CPU kernel is slow for one query row. The kernel in
 csrc/paged_attention.c walks the block tables instead (`python scripts/bench_cpu_kernels.py` measures both).
-Both paths honour a sliding window and a logit soft cap (the kernel takes both as arguments).
+Both paths honour a sliding window, a logit soft cap and attention sinks (gpt-oss; the kernel
+takes all three as arguments).
 """
 
 from __future__ import annotations
@@ -95,10 +96,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, out: torch.Tensor,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         kernel = self._decode_kernel(q, k_cache, v_cache)
+        if sinks is not None:  # the sink variant; sinks it cannot read take the torch path
+            ok = sinks.shape == (q.shape[1],) and sinks.is_contiguous() and is_f32_cpu(sinks)
+            kernel = _cache_kernel("tidal_paged_decode_attention_sink_", k_cache, v_cache) \
+                if kernel is not None and ok else None
         if kernel is None or out.shape != q.shape or not out.is_contiguous():
-            return super()._decode(q, k_cache, v_cache, metadata, scale, out, window, softcap)
+            return super()._decode(q, k_cache, v_cache, metadata, scale, out, window, softcap, sinks)
         num_heads, head_dim = q.shape[1], q.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()  # the kernel reads each row's heads back to back
@@ -108,7 +114,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ptr(q), q.stride(0), ptr(out), out.stride(0), ptr(batch.rows), min(q.shape[0], out.shape[0]),
             ptr(k_cache), ptr(v_cache), num_blocks, ptr(batch.block_tables), batch.block_tables.shape[1],
             ptr(batch.seq_lens), len(metadata.decode_seqs), num_heads, num_kv_heads, head_dim,
-            block_size, scale, window or 0, softcap or 0.0,
+            block_size, scale, window or 0, softcap or 0.0, *(() if sinks is None else (ptr(sinks),)),
         )
         if rc == -1:
             raise MemoryError("paged decode attention: could not allocate per-thread scratch")

@@ -98,13 +98,13 @@ def _tanh(x):
 @triton.jit(do_not_specialize=["num_seqs", "window", "softcap"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, qk_scale, window, softcap,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, qk_scale, window, softcap, sinks_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid (q blocks, kv heads, NUM_SPLITS). Row m of a program is token
     m // Q_PER_KV of its q block, query head kv_head * Q_PER_KV + m % Q_PER_KV. qk_scale is
@@ -114,7 +114,10 @@ def _attention_kernel(
     window: a row at position p sees positions (p - window, p]; NO_WINDOW (larger than any
     context) for full attention. Positions no row of the program sees are never loaded.
     SOFTCAP (Gemma 2's attn_logit_softcapping): qk_scale is then the plain scale, and each
-    score s becomes softcap * tanh(s / softcap) (then times log2(e)) before the mask."""
+    score s becomes softcap * tanh(s / softcap) (then times log2(e)) before the mask.
+    HAS_SINKS (gpt-oss): sinks_ptr [NUM_HEADS] holds one logit per query head that joins the
+    softmax's denominator only: added when the output is normalized (here, or in the reduce
+    kernel under split-KV, since it belongs to no partition)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,6 +187,13 @@ def _attention_kernel(
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink as one more (valueless) position, in base 2 like the scores
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -196,10 +206,11 @@ def _attention_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
+def _reduce_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh, sinks_ptr,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One program per (token, head): combine the NUM_SPLITS partial softmaxes (base 2)."""
+                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One program per (token, head): combine the NUM_SPLITS partial softmaxes (base 2), and
+    the head's sink logit (HAS_SINKS) into the denominator."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -210,9 +221,16 @@ def _reduce_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_
     l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
-    total = tl.sum(l * w, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+        m_max = tl.maximum(m_max, sink)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+        w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
+        total = tl.sum(l * w, axis=0) + tl.exp2(sink - m_max)
+    else:
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+        w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
+        total = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -300,7 +318,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if q.device.type == "cpu" and not isinstance(_attention_kernel, InterpretedFunction):
             raise RuntimeError(
                 "TritonAttentionBackend got CPU tensors: Triton runs on CPU only under the interpreter; "
@@ -316,6 +335,9 @@ class TritonAttentionBackend(AttentionBackend):
                 and metadata.slot_mapping.stride(0) == 1 and metadata.block_tables.stride(1) == 1):
             raise ValueError(f"TritonAttentionBackend: inconsistent shapes q {tuple(q.shape)} k {tuple(k.shape)} "
                              f"cache {tuple(k_cache.shape)} block_size {metadata.block_size}")
+        if sinks is not None and (sinks.shape != (num_heads,) or sinks.device != q.device):
+            raise ValueError(f"TritonAttentionBackend: sinks must be one value per query head ({num_heads}) "
+                             f"on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
         dot_dtype = _dot_dtype(q.dtype)  # refuses other dtypes before anything is written
         if not metadata.block_tables_checked:
             check_block_tables(metadata, num_blocks)  # before anything is written or read
@@ -331,12 +353,13 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if metadata.num_seqs == 0 or metadata.num_tokens == 0:
             return out
-        self._attend(q, k_cache, v_cache, out, metadata, scale, head_pad, dot_dtype, sliding_window, softcap)
+        self._attend(q, k_cache, v_cache, out, metadata, scale, head_pad, dot_dtype, sliding_window, softcap,
+                     None if sinks is None else sinks.contiguous())
         return out
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, head_pad: int, dot_dtype: tl.dtype,
-                window: int | None, softcap: float | None = None) -> None:
+                window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
         q_per_kv = num_heads // num_kv_heads
@@ -363,15 +386,15 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, out, part_m, part_l, part_acc,
             metadata.device_query_start_loc(), metadata.device_seq_lens(), metadata.block_tables,
             metadata.num_seqs, scale if softcap else scale * LOG2E, NO_WINDOW if window is None else window,
-            float(softcap or 0.0),
+            float(softcap or 0.0), out if sinks is None else sinks,  # (never read without sinks)
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
             NUM_HEADS=num_heads, Q_PER_KV=q_per_kv, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             NUM_SPLITS=splits, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-            SOFTCAP=bool(softcap), num_warps=8 if block_m >= 32 else 4, num_stages=2)
+            SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, num_warps=8 if block_m >= 32 else 4, num_stages=2)
         if splits > 1:
             _reduce_splits_kernel[(metadata.num_tokens, num_heads)](
-                part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+                part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out if sinks is None else sinks,
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits))
+                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HAS_SINKS=sinks is not None)

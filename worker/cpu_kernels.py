@@ -99,6 +99,11 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         ctypes.c_int,
         [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32])
        for suffix in ("f32", "f16", "bf16")},
+    # ... and attention sinks after the soft cap (float32 [num_heads] pointer, nullable: gpt-oss)
+    **{f"tidal_paged_decode_attention_sink_{suffix}": (
+        ctypes.c_int,
+        [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _p])
+       for suffix in ("f32", "f16", "bf16")},
     # k, k_stride, v, v_stride, slots, num_tokens, k_cache, v_cache, num_slots, row_len
     "tidal_write_kv_cache_f32": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64]),
     # the same, float32 k/v rounded to nearest even into fp16 / bf16 caches

@@ -127,6 +127,8 @@ static inline __attribute__((always_inline)) void kv_store_row(void *restrict ca
  * under a sliding window): blocks before first_pos's are never touched (they may be freed).
  * softcap > 0: each score s (already scaled) becomes softcap * tanh(s / softcap) before the
  * softmax; callers pass the literal 0 for none, so that copy compiles without the branch.
+ * sinks (nullable): row r's sink logit sinks[r] (gpt-oss's attention sinks) joins the softmax's
+ * denominator only: weights exp(s_j) / (sum_j exp(s_j) + exp(sink)).
  *
  * Always inlined so that each call with a constant head_dim (see the dispatch below) gets its own
  * copy with fixed trip counts: with a runtime head_dim every short inner loop re-checks aliasing
@@ -135,8 +137,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     const float *restrict q, float *restrict out, const void *restrict k_cache,
     const void *restrict v_cache, const int64_t *restrict blocks, int64_t first_pos, int64_t seq_len,
     int64_t first_kv_head, int64_t num_rows, int64_t group, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, const float softcap, float *restrict work,
-    const int kind) {
+    const int64_t head_dim, int64_t block_size, float scale, const float softcap, const float *restrict sinks,
+    float *restrict work, const int kind) {
     float *acc = work;                              /* [num_rows, head_dim] */
     float *probs = acc + num_rows * head_dim;       /* [num_rows, block_size] */
     float *run_max = probs + num_rows * block_size; /* [num_rows] */
@@ -197,7 +199,17 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
     }
     for (int64_t r = 0; r < num_rows; ++r) {
-        const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
+        float sum = run_sum[r], rescale = 1.0f;
+        if (sinks != NULL && sinks[r] > -INFINITY) {
+            const float sink = sinks[r], m = run_max[r];
+            if (sink > m) { /* the sink is the row's max: rescale acc and sum onto it */
+                rescale = m == -INFINITY ? 0.0f : expf(m - sink);
+                sum = sum * rescale + 1.0f;
+            } else {
+                sum += expf(sink - m);
+            }
+        }
+        const float inv = sum > 0.0f ? rescale / sum : 0.0f;
         for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = acc[r * head_dim + d] * inv;
     }
 }
@@ -207,7 +219,8 @@ static inline __attribute__((always_inline)) void attend_rows(
  * block_tables[i * table_width ...], or with window > 0 over its last `window` positions only
  * (a sliding window: entries before them are never read, so they may name freed blocks); with
  * softcap > 0 every scaled score s is soft-capped to softcap * tanh(s / softcap) first (Gemma 2's
- * attn_logit_softcapping). The result goes to the same row of out.
+ * attn_logit_softcapping); with sinks (nullable, [num_heads]) head h's sink logit sinks[h] joins
+ * its softmax's denominator (gpt-oss). The result goes to the same row of out.
  * Returns 0; -1 when scratch memory could not be allocated; -2 when a row is outside
  * [0, num_q_rows), or a sequence needs more blocks than its table row holds or names a block it
  * reads outside [0, num_blocks) (nothing is read or written then). The public kernels below are
@@ -219,7 +232,8 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, const int64_t *rows,
     int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks, const int64_t *block_tables,
     int64_t table_width, const int64_t *seq_lens, int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap, const int kind) {
+    int64_t head_dim, int64_t block_size, float scale, int64_t window, float softcap, const float *sinks,
+    const int kind) {
     const int64_t table_stride = table_width;
     if (num_decodes <= 0) return 0;
     for (int64_t i = 0; i < num_decodes; ++i) {
@@ -258,7 +272,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 const int64_t *blocks = block_tables + i * table_stride;
 #define ATTEND_CAP(D, CAP) attend_rows(qi, oi, k_cache, v_cache, blocks, FIRST_POS(seq_lens[i]), seq_lens[i], \
                                        j0, (j1 - j0) * group, group, num_kv_heads, D, block_size, scale, CAP, \
-                                       work, kind)
+                                       sinks == NULL ? NULL : sinks + j0 * group, work, kind)
 #define ATTEND(D) (softcap > 0.0f ? ATTEND_CAP(D, softcap) : ATTEND_CAP(D, 0.0f))
                 switch (head_dim) { /* the head sizes of common models get specialized loops */
                 case 64: ATTEND(64); break;
@@ -283,10 +297,11 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
         int64_t num_q_rows, const void *k_cache, const void *v_cache, int64_t num_blocks,                    \
         const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, int64_t num_decodes,      \
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale
-#define DECODE_CALL(WINDOW, SOFTCAP, KIND)                                                                 \
+#define DECODE_CALL(WINDOW, SOFTCAP, KIND) DECODE_CALL_SINKS(WINDOW, SOFTCAP, NULL, KIND)
+#define DECODE_CALL_SINKS(WINDOW, SOFTCAP, SINKS, KIND)                                                    \
     paged_decode_attention(q, q_row_stride, out, out_row_stride, rows, num_q_rows, k_cache, v_cache,         \
                            num_blocks, block_tables, table_width, seq_lens, num_decodes, num_heads,         \
-                           num_kv_heads, head_dim, block_size, scale, WINDOW, SOFTCAP, KIND)
+                           num_kv_heads, head_dim, block_size, scale, WINDOW, SOFTCAP, SINKS, KIND)
 /* Full attention (the signature tests and benchmarks call directly). */
 int tidal_paged_decode_attention_f32(DECODE_ARGS) { return DECODE_CALL(0, 0.0f, KV_F32); }
 int tidal_paged_decode_attention_f16(DECODE_ARGS) { return DECODE_CALL(0, 0.0f, KV_F16); }
@@ -305,8 +320,19 @@ int tidal_paged_decode_attention_swcap_f16(DECODE_ARGS, int64_t window, float so
 int tidal_paged_decode_attention_swcap_bf16(DECODE_ARGS, int64_t window, float softcap) {
     return DECODE_CALL(window, softcap, KV_BF16);
 }
+/* The same with attention sinks after the soft cap (float32 [num_heads], nullable). */
+int tidal_paged_decode_attention_sink_f32(DECODE_ARGS, int64_t window, float softcap, const float *sinks) {
+    return DECODE_CALL_SINKS(window, softcap, sinks, KV_F32);
+}
+int tidal_paged_decode_attention_sink_f16(DECODE_ARGS, int64_t window, float softcap, const float *sinks) {
+    return DECODE_CALL_SINKS(window, softcap, sinks, KV_F16);
+}
+int tidal_paged_decode_attention_sink_bf16(DECODE_ARGS, int64_t window, float softcap, const float *sinks) {
+    return DECODE_CALL_SINKS(window, softcap, sinks, KV_BF16);
+}
 #undef DECODE_ARGS
 #undef DECODE_CALL
+#undef DECODE_CALL_SINKS
 
 /* Token t's K and V rows (row_len floats each, at k + t * k_stride and v + t * v_stride) go to
  * row slots[t] of k_cache / v_cache ([num_slots, row_len] of the cache's element type); a

@@ -9,6 +9,7 @@ from torch import nn
 from tidal.protocol.config import SUPPORTED_ARCHITECTURES
 
 from tidal.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from tidal.worker.models.gpt_oss import GptOssForCausalLM
 from tidal.worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 
