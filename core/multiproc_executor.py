@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -32,6 +33,7 @@ from tidal.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerFr
 from tidal.utils.deadline import Deadline
 from tidal.utils.network import listen_socket
 from tidal.utils.openmp import threads_per_rank
+from tidal.core.multinode import HEARTBEAT, NodePlan, NodeRegistry, ranks_of_node, worker_env
 from tidal.utils.process import SpawnerThread, stop_processes, wait_all
 from tidal.utils.zmq_utils import IpcDir
 
@@ -85,6 +87,7 @@ class _Workers:
         self.ipc: IpcDir | None = None
         self.ctx: zmq.Context | None = None
         self.spawner: SpawnerThread | None = None
+        self.registry: NodeRegistry | None = None  # nnodes > 1, until every node registered
 
     def close(self, graceful: bool = True) -> None:
         with self.lock:
@@ -103,6 +106,8 @@ class _Workers:
                     wait_all(procs, Deadline(_GRACEFUL_EXIT_S))
                 stop_processes(procs, timeout_s=2.0 if graceful else 1.0)
             finally:
+                if self.registry is not None:
+                    self.registry.close()
                 if self.spawner is not None:
                     self.spawner.release()
                 if self.ctx is not None:
@@ -119,6 +124,11 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.world_size = config.tensor_parallel_size
+        # Several nodes: this one (node 0) starts its own ranks; the others' agents register
+        # (core/multinode.py) and every socket is TCP on master_addr.
+        self._tcp_host = config.master_addr if config.nnodes > 1 else None
+        self._local_ranks = ranks_of_node(config, 0)
+        self._beats: dict[int, float] = {}  # remote node -> its last heartbeat (once all are ready)
         self._w = _Workers()
         self._finalizer = weakref.finalize(self, self._w.close, False)
         self._dead: str | None = None
@@ -150,42 +160,62 @@ class MultiprocExecutor(Executor):
         self.results = w.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
         self.results.setsockopt(zmq.RCVHWM, 0)
-        result_address = w.ipc.address("results")
-        self.results.bind(result_address)
+        result_address = self._bind(self.results, "results")
         w.spawner = SpawnerThread("tidal-worker-spawner")
-        listener = listen_socket("127.0.0.1")
+        cfg = self.config
+        listener = (listen_socket(cfg.master_addr, port=cfg.master_port) if self._tcp_host is not None
+                    else listen_socket("127.0.0.1"))
         try:
             host, port = listener.getsockname()[:2]
-            args = [sys.executable, *self.worker_entry, "--config-json", self.config.to_json().decode(),
-                    "--world-size", str(self.world_size), "--init-method", f"tcp://{host}:{port}",
+            init_method = f"tcp://{host}:{port}"
+            args = [sys.executable, *self.worker_entry, "--config-json", cfg.to_json().decode(),
+                    "--world-size", str(self.world_size), "--init-method", init_method,
                     "--result-address", result_address]
             # N ranks on one host share its cores (an explicit OMP_NUM_THREADS wins).
-            env = {"OMP_NUM_THREADS": str(threads_per_rank(self.world_size)), **os.environ}
-            for rank in range(self.world_size):
-                self._spawn(rank, args, env, listener.fileno() if rank == 0 else None)
+            env = (worker_env(cfg) if self._tcp_host is not None
+                   else {"OMP_NUM_THREADS": str(threads_per_rank(self.world_size)), **os.environ})
+            addresses = [self._rank_sockets(rank) for rank in range(self.world_size)]
+            for rank in self._local_ranks:
+                self._spawn(rank, [*args, "--step-address", addresses[rank][0], "--probe-address", addresses[rank][1]],
+                            env, listener.fileno() if rank == 0 else None)
+            if self._tcp_host is not None:
+                w.registry = NodeRegistry(cfg, NodePlan(cfg.to_json().decode(), self.world_size, init_method,
+                                                        result_address, [a[0] for a in addresses],
+                                                        [a[1] for a in addresses]))
+            return self._wait_ready()
         finally:
             listener.close()  # rank 0 holds its own copy of the listening socket
-        return self._wait_ready()
+
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        """An ipc path in the private directory; with several nodes a TCP port on master_addr."""
+        assert self._w.ipc is not None
+        if self._tcp_host is not None:
+            return f"tcp://{self._tcp_host}:{sock.bind_to_random_port(f'tcp://{self._tcp_host}')}"
+        address = self._w.ipc.address(name)
+        sock.bind(address)
+        return address
 
     def _push_socket(self, name: str) -> tuple[zmq.Socket, str]:
-        assert self._w.ctx is not None and self._w.ipc is not None
+        assert self._w.ctx is not None
         sock = self._w.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
-        address = self._w.ipc.address(name)
-        sock.bind(address)
-        return sock, address
+        return sock, self._bind(sock, name)
+
+    def _rank_sockets(self, rank: int) -> tuple[str, str]:
+        """Rank `rank`'s step and probe sockets (bound here, wherever the rank runs)."""
+        steps, step_address = self._push_socket(f"steps-{rank}")
+        self._w.step_sockets.append(steps)
+        probe, probe_address = self._push_socket(f"probe-{rank}")
+        self._w.probe_sockets.append(probe)
+        return step_address, probe_address
 
     def _spawn(self, rank: int, args: list[str], env: dict[str, str], listen_fd: int | None) -> None:
-        """Start rank `rank` with its own step and probe sockets; rank 0 inherits `listen_fd`,
-        the rendezvous socket torch.distributed serves its store on."""
+        """Start rank `rank` (its step and probe sockets are in `args`); rank 0 inherits
+        `listen_fd`, the rendezvous socket torch.distributed serves its store on."""
         w = self._w
         assert w.spawner is not None
-        steps, step_address = self._push_socket(f"steps-{rank}")
-        w.step_sockets.append(steps)
-        probe, probe_address = self._push_socket(f"probe-{rank}")
-        w.probe_sockets.append(probe)
-        args = [*args, "--rank", str(rank), "--step-address", step_address, "--probe-address", probe_address]
+        args = [*args, "--rank", str(rank)]
         if listen_fd is not None:
             args += ["--listen-fd", str(listen_fd)]
         pass_fds = () if listen_fd is None else (listen_fd,)
@@ -203,6 +233,11 @@ class MultiprocExecutor(Executor):
             infos[rank] = info_decoder.decode(payload)
         if len({(i.num_kv_blocks, i.max_model_len, i.vocab_size) for i in infos.values()}) != 1:
             self._fail(f"workers disagree on the engine limits: {infos}")
+        if self._w.registry is not None:
+            self._w.registry.close()
+            self._w.registry = None
+            now = time.monotonic()
+            self._beats = {node: now for node in range(1, self.config.nnodes)}
         return infos[0]
 
     # ------------------------------------------------------------------- steps
@@ -247,6 +282,9 @@ class MultiprocExecutor(Executor):
                     self._diagnose(what, {rank: payload}, _PEER_GRACE_S)
                 if kind == WHERE:
                     continue  # a late answer to an earlier probe
+                if kind == HEARTBEAT:  # `rank` is a node's here
+                    self._beats[rank] = time.monotonic()
+                    continue
                 return kind, rank, payload
             self._check_procs(what)
             if deadline.expired():
@@ -273,6 +311,12 @@ class MultiprocExecutor(Executor):
         if what == _STARTUP:
             stuck = [r for r in ranks if r not in self._ready]
             limit = f"start-up within engine_start_timeout_s={self.config.engine_start_timeout_s}s"
+            registry = self._w.registry
+            if registry is not None and (missing := registry.missing()):
+                self._fail(f"node(s) {missing} never registered at {registry.address} within "
+                           f"engine_start_timeout_s={self.config.engine_start_timeout_s}s (start each with `tidal serve "
+                           f"MODEL --headless --nnodes {self.config.nnodes} --node-rank K --master-addr "
+                           f"{self.config.master_addr} --master-port {self.config.master_port}`)")
         else:
             stuck = [r for r in ranks if r not in where or (where[r][0] == self._step and not where[r][2])]
             limit = f"{what} within worker_step_timeout_s={self.config.worker_step_timeout_s}s"
@@ -301,6 +345,13 @@ class MultiprocExecutor(Executor):
     def _check_procs(self, what: str) -> None:
         if any(p.poll() is not None for p in self._w.procs):
             self._diagnose(what, {}, _DEATH_GRACE_S)
+        if self._beats:
+            bound, now = self.config.heartbeat_timeout_s, time.monotonic()
+            for node, beat in self._beats.items():
+                if now - beat > bound:
+                    ranks = ranks_of_node(self.config, node)
+                    self._fail(f"node {node} (worker ranks {ranks.start}-{ranks.stop - 1}) sent no heartbeat for "
+                               f"{now - beat:.1f}s (heartbeat_timeout_s={bound:g}s): its host or network is gone")
 
     def _diagnose(self, what: str, reports: dict[int, tuple[str, bool]], grace_s: float) -> None:
         """Find the root cause among failure reports and dead processes, then fail.

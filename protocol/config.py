@@ -187,6 +187,14 @@ class EngineConfig(VllmConfigAttrs):
     # for each core it starts (it offsets the core's devices and labels its outputs).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Tensor parallelism across hosts (vLLM's nnodes / node_rank / master_addr / master_port):
+    # tensor_parallel_size // nnodes ranks per node; node 0 runs the engine core, which serves
+    # the rendezvous store at master_addr:master_port and the other nodes' registration at
+    # master_port + 1 (core/multinode.py); a node K > 0 runs `tidal serve --headless`.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -205,6 +213,17 @@ class EngineConfig(VllmConfigAttrs):
         if self.data_parallel_size > 1 and self.core_address is not None:
             raise ValueError("data_parallel_size > 1 starts its own engine cores: it cannot be combined with "
                              "core_address (a headless core is one engine)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank}, nnodes={self.nnodes}.")
+        if self.nnodes > 1:
+            if self.tensor_parallel_size % self.nnodes:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
+                                 f"nnodes={self.nnodes} (each node runs as many ranks)")
+            if self.distributed_executor_backend != "mp" or self.data_parallel_size > 1:
+                raise ValueError("nnodes > 1 runs the tensor-parallel ranks as processes on each node "
+                                 "(distributed_executor_backend='mp', data_parallel_size=1)")
+            if not 0 < self.master_port < 65535:
+                raise ValueError(f"master_port must be in (0, 65535), got {self.master_port}.")
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

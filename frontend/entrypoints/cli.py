@@ -64,11 +64,32 @@ def _run_loop(coro: asyncio.Future[None] | object) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.headless:
+        return _cmd_headless(args)
     from tidal.frontend.entrypoints.openai.api_server import run_server
 
     logging.getLogger("tidal").setLevel(logging.INFO)  # the startup line and the stats log
     _run_loop(run_server(args))
     return 0
+
+
+def _cmd_headless(args: argparse.Namespace) -> int:
+    """`tidal serve --headless`: node K > 0 of a multi-node engine (no API server, no engine
+    core): it runs its tensor-parallel ranks for the leader until SIGTERM/SIGINT."""
+    import signal
+    import threading
+
+    from tidal.core.multinode import run_node_agent
+
+    config = config_from_args(args, model=args.model_flag or args.model or "")
+    if config.nnodes < 2 or config.node_rank == 0:
+        raise ValueError("--headless runs node --node-rank K (1 <= K < --nnodes) of a multi-node engine; "
+                         "data-parallel headless engines are not implemented yet")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logging.getLogger("tidal").setLevel(logging.INFO)
+    return run_node_agent(config, stop)
 
 
 def _cmd_core(args: argparse.Namespace) -> int:
@@ -133,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.frontend.entrypoints.openai.cli_args import add_serve_args
 
     add_serve_args(serve)
+    serve.add_argument("--headless", action="store_true",
+                       help="run only this node's tensor-parallel ranks for a leader (--nnodes, --node-rank, "
+                            "--master-addr, --master-port); no API server")
     serve.set_defaults(func=_cmd_serve)
 
     core = sub.add_parser("core", help="run a headless engine core that front-ends connect to")

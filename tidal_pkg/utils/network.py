@@ -5,13 +5,15 @@ from __future__ import annotations
 import socket
 
 
-def listen_socket(host: str = "127.0.0.1", backlog: int = 128) -> socket.socket:
-    """A TCP socket already bound to a kernel-chosen free port and listening: the port is
+def listen_socket(host: str = "127.0.0.1", backlog: int = 128, port: int = 0) -> socket.socket:
+    """A TCP socket already bound to `port` (0: a kernel-chosen free one) and listening: the port is
     held from this moment, so nothing else on the host can take it (no choose-then-bind race).
     Hand its fd to the process that serves it (subprocess `pass_fds`)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        s.bind((host, 0))
+        if port:  # a fixed port (a restarted engine's rendezvous) despite its old connections' TIME_WAIT
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
         s.listen(backlog)
     except BaseException:
         s.close()
@@ -24,3 +26,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def interface_towards(address: str) -> str | None:
+    """The name of this host's network interface that packets to `address` leave by (the
+    kernel's route, found by connecting a UDP socket: nothing is sent), or None if unknown."""
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name
+    return None
