@@ -376,9 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     code = 1
     try:
         config = EngineConfig.from_json(args.config_json)
-        if config.data_parallel_size > 1 and config.device != "cuda":
+        if config.dp_local_size > 1 and config.device != "cuda":
             # Before torch starts a thread: every later thread and worker inherits the share.
-            take_data_parallel_share(config.data_parallel_rank, config.data_parallel_size)
+            take_data_parallel_share(config.dp_local_index, config.dp_local_size)
         code = run_engine_core(config, args.address,
                                parent_pid=args.parent_pid, error_file=args.error_file,
                                key_file=args.key_file, drain_timeout_s=args.drain_timeout_s)

@@ -55,7 +55,7 @@ def _at_most(limit: int) -> Pred:
 _GENERATE = "tidal runs every model as a generative one, which is what this asks for"
 _MM = "multimodal inputs (tidal serves text-only models)"
 _LORA = "LoRA adapters"
-_DP = "data parallelism across hosts or with external load balancing (tidal runs data_parallel_size engines on this host)"
+_DP = "data parallelism with external or hybrid load balancing (tidal's head front-end routes to every engine)"
 _MOE = "tidal's models have no experts (MoE), so expert-parallel settings have nothing to act on"
 _MAMBA = "tidal's models have no Mamba layers"
 _NO_HUB_LOAD = "tidal loads local checkpoints and the huggingface_hub cache itself"
@@ -107,10 +107,10 @@ RULES: dict[str, Rule] = {
     "cp_kv_cache_interleave_size": NoOp("it only matters with context parallelism, which tidal lacks"),
     "data_parallel_size": Implemented("data_parallel_size"),
     "data_parallel_rank": Refused(_DP, ok=_one_of(None, 0)),
-    "data_parallel_start_rank": Refused(_DP, ok=_one_of(None, 0)),
-    "data_parallel_size_local": Refused(_DP, ok=_one_of(None, 1)),
-    "data_parallel_address": Refused(_DP),
-    "data_parallel_rpc_port": Refused(_DP),
+    "data_parallel_start_rank": Implemented("data_parallel_start_rank"),
+    "data_parallel_size_local": Implemented("data_parallel_size_local"),
+    "data_parallel_address": Implemented("data_parallel_address"),
+    "data_parallel_rpc_port": Implemented("data_parallel_rpc_port"),
     "data_parallel_hybrid_lb": Refused(_DP),
     "data_parallel_external_lb": Refused(_DP),
     "data_parallel_backend": Refused(_DP, ok=_one_of("mp")),

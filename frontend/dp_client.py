@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from tidal.frontend.core_client import AsyncMPClient, SyncMPClient
 from tidal.frontend.core_connection import POLL_MS
+from tidal.frontend.dp_remote import EngineRegistry
 from tidal.frontend.supervisor import CoreState, CoreSupervisor
 from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.errors import EngineDeadError
@@ -171,8 +172,17 @@ class _DPClient(Generic[M]):
         self.config = config
         self.clients: list[M] = []
         try:
-            for rank in range(config.data_parallel_size):
+            for rank in range(config.dp_local_size):
                 self.clients.append(member(config.replace(data_parallel_rank=rank)))
+            if config.dp_local_size < config.data_parallel_size:  # the others' hosts register them
+                registry = EngineRegistry(config)
+                try:
+                    remote = registry.wait(range(config.dp_local_size, config.data_parallel_size),
+                                           config.engine_start_timeout_s)
+                finally:
+                    registry.close()
+                for rank, address in remote.items():  # each a headless core: reconnected when lost
+                    self.clients.append(member(config.replace(data_parallel_rank=rank, core_address=address)))
         except BaseException:
             self.shutdown()
             raise

@@ -187,6 +187,14 @@ class EngineConfig(VllmConfigAttrs):
     # for each core it starts (it offsets the core's devices and labels its outputs).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Engines on other hosts (vLLM's flags): this host runs data_parallel_size_local engines
+    # (None: all) from data_parallel_start_rank on; the head (start rank 0) takes the other
+    # hosts' registrations at data_parallel_address:data_parallel_rpc_port (frontend/dp_remote.py,
+    # core/dp_node.py). A core's CPU share and devices follow its index among this host's.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
     # Tensor parallelism across hosts (vLLM's nnodes / node_rank / master_addr / master_port):
     # tensor_parallel_size // nnodes ranks per node; node 0 runs the engine core, which serves
     # the rendezvous store at master_addr:master_port and the other nodes' registration at
@@ -210,9 +218,14 @@ class EngineConfig(VllmConfigAttrs):
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_rank}.")
-        if self.data_parallel_size > 1 and self.core_address is not None:
-            raise ValueError("data_parallel_size > 1 starts its own engine cores: it cannot be combined with "
-                             "core_address (a headless core is one engine)")
+        local, start = self.dp_local_size, self.data_parallel_start_rank or 0
+        if not (1 <= local <= self.data_parallel_size and 0 <= start <= self.data_parallel_size - local):
+            raise ValueError(f"data_parallel_size_local={local} from data_parallel_start_rank={start} does not fit "
+                             f"data_parallel_size={self.data_parallel_size}")
+        if start == 0 and local < self.data_parallel_size and (
+                self.data_parallel_address is None or self.data_parallel_rpc_port is None):
+            raise ValueError("engines on other hosts (data_parallel_size_local < data_parallel_size) register at "
+                             "data_parallel_address:data_parallel_rpc_port: give both")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank}, nnodes={self.nnodes}.")
         if self.nnodes > 1:
@@ -249,6 +262,16 @@ class EngineConfig(VllmConfigAttrs):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
+
+    @property
+    def dp_local_size(self) -> int:
+        """The data-parallel engines this host runs."""
+        return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+
+    @property
+    def dp_local_index(self) -> int:
+        """This core's index among its host's engines (its CPU share, its device group)."""
+        return self.data_parallel_rank - (self.data_parallel_start_rank or 0)
 
     @property
     def tokenizer_path(self) -> str:

@@ -277,3 +277,20 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # Those of failed_req_ids that the request's own settings explain (its masks left no token
     # to sample): failed as invalid (InvalidRequestError, HTTP 400), not as the engine's fault.
     invalid_req_ids: list[str] = []
+
+
+# ---------------------------------------------------------------- data-parallel hosts -> head
+
+
+class EngineHello(msgspec.Struct):
+    """A host of data-parallel engines registers them with the head (core/dp_node.py ->
+    frontend/dp_remote.py), as JSON."""
+
+    start_rank: int
+    addresses: list[str]  # the engines of ranks start_rank, start_rank + 1, ...
+    data_parallel_size: int
+    model: str
+
+
+class HelloReply(msgspec.Struct):
+    error: str | None = None  # why the head refused the registration

@@ -108,7 +108,7 @@ def test_defaults_and_their_none_forms_are_silent(caplog: pytest.LogCaptureFixtu
 @pytest.mark.parametrize("name, value, feature", [
     ("speculative_config", {"method": "eagle", "num_speculative_tokens": 2}, "eagle"),
     ("enable_lora", True, "LoRA"), ("max_loras", 4, "LoRA"), ("quantization", "awq", "quantized"),
-    ("pipeline_parallel_size", 2, "pipeline parallelism"), ("data_parallel_address", "10.0.0.2", "data parallelism across hosts"),
+    ("pipeline_parallel_size", 2, "pipeline parallelism"), ("data_parallel_hybrid_lb", True, "hybrid load balancing"),
     ("limit_mm_per_prompt", {"image": 1}, "multimodal"), ("kv_transfer_config", {"kv_connector": "x"}, "KV transfer"),
     ("runner", "pooling", "pooling"), ("enable_prompt_embeds", True, "prompt embeddings"),
     ("tokenizer_mode", "mistral", "mistral"), ("kv_cache_dtype", "fp8", "fp8"),

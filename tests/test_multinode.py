@@ -43,6 +43,38 @@ LEADER = textwrap.dedent('''
 ''')
 
 
+DP_HEAD = textwrap.dedent('''
+    import asyncio, json, sys
+    from tidal.frontend import AsyncLLM
+    from tidal.protocol import RequestOutputKind, SamplingParams
+    model, addr, port, key = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    max_tokens, dp = int(sys.argv[5]), int(sys.argv[6])
+    remote = dict(data_parallel_size=2, data_parallel_size_local=1, data_parallel_address=addr,
+                  data_parallel_rpc_port=port, core_key_file=key or None, disable_log_stats=False) if dp == 2 else {}
+    async def main():
+        engine = AsyncLLM(model=model, max_num_seqs=128, enable_prefix_caching=False, engine_start_timeout_s=90,
+                          heartbeat_timeout_s=5, **remote)
+        print("READY", flush=True)
+        async def one(i):
+            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 3 == 0 else 1.0,
+                                seed=1000 + i, output_kind=RequestOutputKind.DELTA)
+            prompt = {"prompt_token_ids": [(11 * i + 5 * j) % 480 + 12 for j in range(3 + i % 29)]}
+            toks = []
+            async for out in engine.generate(prompt, sp, f"r{i}"):
+                toks += out.outputs[0].token_ids
+            return toks
+        tokens = await asyncio.gather(*(one(i) for i in range(64)))
+        per_engine, restarts = {}, [0]
+        if dp == 2:
+            per_engine = {m.labels["engine"]: m.value for m in engine.metrics.get_metrics()
+                          if m.name == "vllm:generation_tokens"}
+            restarts = [s.num_restarts for s in engine.engine_core.supervisors]
+        engine.shutdown()
+        print("RESULT " + json.dumps({"tokens": tokens, "per_engine": per_engine, "restarts": restarts}), flush=True)
+    asyncio.run(main())
+''')
+
+
 class Hosts(NamedTuple):
     leader_prefix: list[str]  # command prefix that runs a process on "host" 0
     follower_prefix: list[str]
@@ -190,3 +222,62 @@ def test_sigkill_of_the_remote_worker_restarts_or_fails_within_the_bound(
         stop(leader)
         stop(follower)
     assert_nothing_left(hosts, [leader, follower])
+
+
+def run_dp_head(hosts: Hosts, model: str, port: int, key: str, max_tokens: int, dp: int,
+                tmp_path: str) -> subprocess.Popen[str]:
+    script = os.path.join(tmp_path, "dp_head.py")
+    with open(script, "w") as f:
+        f.write(DP_HEAD)
+    prefix = hosts.leader_prefix if dp == 2 else []
+    return subprocess.Popen([*prefix, sys.executable, script, model, hosts.master_addr, str(port), key,
+                             str(max_tokens), str(dp)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def start_dp_host(hosts: Hosts, model: str, port: int, key: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([*hosts.follower_prefix, sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve",
+                             model, "--headless", "-dp", "2", "--data-parallel-size-local", "1",
+                             "--data-parallel-start-rank", "1", "--data-parallel-address", hosts.master_addr,
+                             "--data-parallel-rpc-port", str(port), *(["--core-key-file", key] if key else []),
+                             "--heartbeat-timeout-s", "5"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["plain", "sigkill"])
+def test_dp2_with_an_engine_on_another_host(hosts: Hosts, tiny_model_dir: str, tmp_path: str, kill: bool) -> None:
+    """64 streams, greedy and seeded mixed: DP=2 with engine 1 on the other "host" gives DP=1's
+    tokens, both engines serve; with `kill`, engine 1's core is SIGKILLed mid-stream, its host
+    restarts it on the same address and every stream still completes with exactly those tokens."""
+    max_tokens = 160 if kill else 24
+    key = ""
+    if hosts.namespaces:  # off loopback the engines are CURVE-keyed
+        key = os.path.join(str(tmp_path), "core.key")
+        subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "core-keygen", key], check=True,
+                       capture_output=True, timeout=60)
+    ref = run_dp_head(hosts, tiny_model_dir, 0, "", max_tokens, 1, str(tmp_path))
+    expected = json.loads(read_line(ref, "RESULT", 180))["tokens"]
+    ref.wait(30)
+    port = free_port()
+    node = start_dp_host(hosts, tiny_model_dir, port, key)
+    head = run_dp_head(hosts, tiny_model_dir, port, key, max_tokens, 2, str(tmp_path))
+    try:
+        read_line(head, "READY", 120)
+        if kill:
+            deadline = time.monotonic() + 30
+            cores: list[psutil.Process] = []
+            while not cores and time.monotonic() < deadline:
+                cores = [p for p in psutil.Process(node.pid).children() if "core_proc" in " ".join(p.cmdline())]
+                time.sleep(0.05)
+            assert cores
+            time.sleep(1.0)
+            cores[0].kill()
+        result = json.loads(read_line(head, "RESULT", 240))
+        assert result["tokens"] == expected
+        assert set(result["per_engine"]) == {"0", "1"} and min(result["per_engine"].values()) > 0
+        assert result["restarts"] == ([0, 1] if kill else [0, 0])
+        assert head.wait(30) == 0
+    finally:
+        stop(head)
+        stop(node)
+    assert_nothing_left(hosts, [head, node])

@@ -30,7 +30,7 @@ def resolve_device(config: EngineConfig, rank: int) -> torch.device:
         raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device")
     # Data-parallel cores on one host take consecutive device groups: core d's rank r is on
     # device d * tensor_parallel_size + r.
-    index = config.data_parallel_rank * config.tensor_parallel_size + rank
+    index = config.dp_local_index * config.tensor_parallel_size + rank
     return torch.device("cuda", index % torch.cuda.device_count())
 
 

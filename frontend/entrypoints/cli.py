@@ -79,17 +79,22 @@ def _cmd_headless(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from tidal.core.multinode import run_node_agent
-
     config = config_from_args(args, model=args.model_flag or args.model or "")
-    if config.nnodes < 2 or config.node_rank == 0:
-        raise ValueError("--headless runs node --node-rank K (1 <= K < --nnodes) of a multi-node engine; "
-                         "data-parallel headless engines are not implemented yet")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logging.getLogger("tidal").setLevel(logging.INFO)
-    return run_node_agent(config, stop)
+    if config.nnodes > 1 and config.node_rank > 0:
+        from tidal.core.multinode import run_node_agent
+
+        return run_node_agent(config, stop)
+    if config.data_parallel_size > 1 and (config.data_parallel_start_rank or 0) > 0:
+        from tidal.core.dp_node import run_dp_node
+
+        return run_dp_node(config, stop)
+    raise ValueError("--headless runs either node --node-rank K >= 1 of a multi-node engine (--nnodes), or "
+                     "data-parallel engines from --data-parallel-start-rank R >= 1 for a head at "
+                     "--data-parallel-address")
 
 
 def _cmd_core(args: argparse.Namespace) -> int:
@@ -155,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve)
     serve.add_argument("--headless", action="store_true",
-                       help="run only this node's tensor-parallel ranks for a leader (--nnodes, --node-rank, "
-                            "--master-addr, --master-port); no API server")
+                       help="no API server: run this node's tensor-parallel ranks for a leader (--nnodes, "
+                            "--node-rank, --master-addr, --master-port), or data-parallel engines for a head "
+                            "(--data-parallel-start-rank, --data-parallel-address, --data-parallel-rpc-port)")
     serve.set_defaults(func=_cmd_serve)
 
     core = sub.add_parser("core", help="run a headless engine core that front-ends connect to")

@@ -34,12 +34,17 @@ def interface_towards(address: str) -> str | None:
     import psutil
 
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((address, 9))
-            local = s.getsockname()[0]
+        local = local_address_towards(address)
     except OSError:
         return None
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == local for a in addrs):
             return name
     return None
+
+
+def local_address_towards(address: str) -> str:
+    """This host's IPv4 address that packets to `address` leave from (the kernel's route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((address, 9))
+        return str(s.getsockname()[0])
