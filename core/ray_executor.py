@@ -46,6 +46,20 @@ def _import_ray() -> Any:
     return ray
 
 
+def connect_ray(ray: Any) -> bool:
+    """Join the cluster at RAY_ADDRESS, else start a private local one; True when this call
+    started one (its owner stops it with ray.shutdown())."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from the engine
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        return False
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return True
+
+
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -97,15 +111,7 @@ class RayExecutor(Executor):
         return resolved[0]
 
     def _connect(self, ray: Any) -> None:
-        if ray.is_initialized():
-            return
-        address = os.environ.get("RAY_ADDRESS")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from the engine
-        if address:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-            self._started_ray = True
+        self._started_ray = connect_ray(ray)
 
     def _check_resources(self, ray: Any, resource: str) -> None:
         have = ray.cluster_resources().get(resource, 0)

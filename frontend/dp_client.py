@@ -17,6 +17,10 @@ tensor-parallel workers, behind one front-end.
   core's requests only (FrontEnd._resume_requests with its rank); the other cores keep going.
   A core that dies for good (restarts used up) takes the engine down: every other core is
   failed with it, so every stream ends with EngineDeadError rather than some never ending.
+- Where the cores run: this host (`mp`, each core with its share of the CPUs or its device
+  group); other hosts, whose engines register with this head (frontend/dp_remote.py,
+  core/dp_node.py); or wherever Ray places them (`data_parallel_backend="ray"`,
+  core/ray_engines.py). The last two are reached as headless cores over CURVE-keyed TCP.
 - Outputs of all cores are merged in arrival order, each message stamped with its
   `engine_index` (metrics carry vLLM's `engine` label per core); utility calls go to every core
   and their results are merged (MERGE).
@@ -26,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -39,6 +43,9 @@ from tidal.protocol.config import EngineConfig, ResolvedEngineInfo
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tidal.utils.deadline import Deadline
+
+if TYPE_CHECKING:
+    from tidal.core.ray_engines import RayEngines
 
 logger = logging.getLogger(__name__)
 
@@ -171,10 +178,20 @@ class _DPClient(Generic[M]):
             raise ValueError("data parallelism starts its own engine cores; core_address names one")
         self.config = config
         self.clients: list[M] = []
+        self._ray: RayEngines | None = None
         try:
-            for rank in range(config.dp_local_size):
-                self.clients.append(member(config.replace(data_parallel_rank=rank)))
-            if config.dp_local_size < config.data_parallel_size:  # the others' hosts register them
+            if config.data_parallel_backend == "ray":  # every engine where Ray puts it
+                from tidal.core.ray_engines import RayEngines
+
+                self._ray = RayEngines(config)
+                for rank, address in enumerate(self._ray.addresses):
+                    self.clients.append(member(config.replace(data_parallel_rank=rank, core_address=address,
+                                                              core_key_file=self._ray.key_file)))
+            else:
+                for rank in range(config.dp_local_size):
+                    self.clients.append(member(config.replace(data_parallel_rank=rank)))
+            if config.data_parallel_backend != "ray" and config.dp_local_size < config.data_parallel_size:
+                # The other hosts register theirs.
                 registry = EngineRegistry(config)
                 try:
                     remote = registry.wait(range(config.dp_local_size, config.data_parallel_size),
@@ -282,8 +299,12 @@ class _DPClient(Generic[M]):
         self.clients[rank].resubmit(requests)
 
     def shutdown(self, abort: list[str] | None = None) -> None:
+        rank_of = getattr(self, "_rank_of", {})
         for rank, c in enumerate(self.clients):
-            c.shutdown(abort=None if abort is None else [rid for rid in abort if self._rank_of.get(rid) == rank])
+            c.shutdown(abort=None if abort is None else [rid for rid in abort if rank_of.get(rid) == rank])
+        if self._ray is not None:
+            self._ray.shutdown()
+            self._ray = None
 
 
 class DPSyncClient(_DPClient[SyncMPClient]):

@@ -43,6 +43,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),
     "generation_config": ("auto", "vllm"),
     "distributed_executor_backend": ("mp", "uni", "ray"),
+    "data_parallel_backend": ("mp", "ray"),
 }
 
 
@@ -195,6 +196,7 @@ class EngineConfig(VllmConfigAttrs):
     data_parallel_start_rank: int | None = None
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
+    data_parallel_backend: str = "mp"  # "ray": the engines placed by Ray (core/ray_engines.py)
     # Tensor parallelism across hosts (vLLM's nnodes / node_rank / master_addr / master_port):
     # tensor_parallel_size // nnodes ranks per node; node 0 runs the engine core, which serves
     # the rendezvous store at master_addr:master_port and the other nodes' registration at

@@ -174,3 +174,30 @@ def test_serve_dp2_spreads_requests_and_labels_metrics(tiny_model_dir: str, tida
         assert sum(per_engine) == 40 and min(per_engine) > 0, per_engine
     finally:
         srv.stop()
+
+
+async def test_dp2_on_ray_equals_dp1_and_survives_sigkill(tiny_model_dir: str, reference: Any,
+                                                          no_orphans: None) -> None:
+    """data_parallel_backend="ray": the engines placed by a private local Ray cluster; the
+    same tokens as DP=1, both serve, and a SIGKILLed engine is restarted by its actor on its
+    address while every stream completes exactly."""
+    pytest.importorskip("ray")
+    engine = AsyncLLM(model=tiny_model_dir, max_num_seqs=128, data_parallel_size=2, data_parallel_backend="ray",
+                      disable_log_stats=False)
+    try:
+        client = engine.engine_core
+        assert all(c.address.startswith("tcp://") for c in client.clients)
+        streams = Streams(engine)
+        pid = client._ray.core_pids()[1]
+
+        async def kill_engine_1() -> None:
+            await wait_until(lambda: len(streams.arrivals) >= 40)
+            os.kill(pid, signal.SIGKILL)
+
+        await asyncio.wait_for(streams.run(mixed_params(64, MAX_TOKENS), kill_engine_1()), 180)
+        assert streams.tokens == reference
+        per_engine = generation_tokens(engine)
+        assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0
+        assert [s.num_restarts for s in client.supervisors] == [0, 1]
+    finally:
+        engine.shutdown()
