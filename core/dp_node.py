@@ -33,13 +33,47 @@ MAX_RESTARTS = 10  # per engine, within RESTART_WINDOW_S; then the host gives up
 RESTART_WINDOW_S = 600.0
 
 
-def _spawn(config: EngineConfig, rank: int, address: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tidal.core.core_proc", "--address", address,
-           "--config-json", config.replace(data_parallel_rank=rank).to_json().decode(),
-           "--parent-pid", str(os.getpid())]
-    if config.core_key_file is not None:
-        cmd += ["--key-file", config.core_key_file]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
+class CoreFleet:
+    """Engine cores of ranks `ranks` serving headless at `addresses`, each restarted on its
+    address when it dies (at most MAX_RESTARTS within RESTART_WINDOW_S): the front-ends that
+    reach them reconnect and resume their requests. Also serves `tidal serve --api-server-count`."""
+
+    def __init__(self, config: EngineConfig, ranks: range, addresses: list[str]) -> None:
+        self.config, self.ranks, self.addresses = config, ranks, addresses
+        self.procs: dict[int, subprocess.Popen | None] = {}
+        self._restarts: dict[int, list[float]] = {rank: [] for rank in ranks}
+
+    def _spawn(self, rank: int, address: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "tidal.core.core_proc", "--address", address,
+               "--config-json", self.config.replace(data_parallel_rank=rank).to_json().decode(),
+               "--parent-pid", str(os.getpid())]
+        if self.config.core_key_file is not None:
+            cmd += ["--key-file", self.config.core_key_file]
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
+
+    def start(self) -> None:
+        for rank, address in zip(self.ranks, self.addresses):
+            self.procs[rank] = self._spawn(rank, address)
+
+    def keep_running(self) -> None:
+        """One look: restart each core that died (within its budget)."""
+        for rank, address in zip(self.ranks, self.addresses):
+            proc = self.procs.get(rank)
+            if proc is None or (code := proc.poll()) is None:
+                continue
+            now = time.monotonic()
+            recent = [t for t in self._restarts[rank] if now - t < RESTART_WINDOW_S]
+            if len(recent) >= MAX_RESTARTS:
+                logger.error("engine %d died (exit %s) %d times within %gs: not restarted", rank, code,
+                             len(recent), RESTART_WINDOW_S)
+                self.procs[rank] = None
+                continue
+            logger.warning("engine %d died (exit %s); restarting it at %s", rank, code, address)
+            self._restarts[rank] = [*recent, now]
+            self.procs[rank] = self._spawn(rank, address)
+
+    def stop(self) -> None:
+        stop_processes([p for p in self.procs.values() if p is not None], timeout_s=10.0)
 
 
 def _register(config: EngineConfig, addresses: list[str], stop: threading.Event) -> bool:
@@ -76,26 +110,13 @@ def run_dp_node(config: EngineConfig, stop: threading.Event | None = None) -> in
     ranks = range(start, start + config.dp_local_size)
     addresses = [f"tcp://{host}:{free_port(host)}" for _ in ranks]
     check_bind_security(addresses[0], config.core_key_file)  # before any engine loads
-    procs = {rank: _spawn(config, rank, address) for rank, address in zip(ranks, addresses)}
-    restarts: dict[int, list[float]] = {rank: [] for rank in ranks}
+    fleet = CoreFleet(config, ranks, addresses)
+    fleet.start()
     try:
         if not _register(config, addresses, stop):
             return 0
         while not stop.wait(0.2):
-            for rank, address in zip(ranks, addresses):
-                proc = procs[rank]
-                if proc is None or (code := proc.poll()) is None:
-                    continue
-                now = time.monotonic()
-                recent = [t for t in restarts[rank] if now - t < RESTART_WINDOW_S]
-                if len(recent) >= MAX_RESTARTS:
-                    logger.error("engine %d died (exit %s) %d times within %gs: not restarted", rank, code,
-                                 len(recent), RESTART_WINDOW_S)
-                    procs[rank] = None
-                    continue
-                logger.warning("engine %d died (exit %s); restarting it at %s", rank, code, address)
-                restarts[rank] = [*recent, now]
-                procs[rank] = _spawn(config, rank, address)
+            fleet.keep_running()
         return 0
     finally:
-        stop_processes([p for p in procs.values() if p is not None], timeout_s=10.0)
+        fleet.stop()

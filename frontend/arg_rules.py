@@ -237,6 +237,7 @@ RULES: dict[str, Rule] = {
     "engine_start_timeout_s": Implemented("engine_start_timeout_s"),
     "heartbeat_timeout_s": Implemented("heartbeat_timeout_s"),
     "core_address": Implemented("core_address"),
+    "engine_core_addresses": Implemented("engine_core_addresses"),
     "max_core_restarts": Implemented("max_core_restarts"),
     "core_reconnect_timeout_s": Implemented("core_reconnect_timeout_s"),
     "core_key_file": Implemented("core_key_file"),

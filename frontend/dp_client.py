@@ -180,7 +180,10 @@ class _DPClient(Generic[M]):
         self.clients: list[M] = []
         self._ray: RayEngines | None = None
         try:
-            if config.data_parallel_backend == "ray":  # every engine where Ray puts it
+            if config.engine_core_addresses is not None:  # running already (--api-server-count)
+                for rank, address in enumerate(config.engine_core_addresses):
+                    self.clients.append(member(config.replace(data_parallel_rank=rank, core_address=address)))
+            elif config.data_parallel_backend == "ray":  # every engine where Ray puts it
                 from tidal.core.ray_engines import RayEngines
 
                 self._ray = RayEngines(config)
@@ -190,7 +193,8 @@ class _DPClient(Generic[M]):
             else:
                 for rank in range(config.dp_local_size):
                     self.clients.append(member(config.replace(data_parallel_rank=rank)))
-            if config.data_parallel_backend != "ray" and config.dp_local_size < config.data_parallel_size:
+            if (config.engine_core_addresses is None and config.data_parallel_backend != "ray"
+                    and config.dp_local_size < config.data_parallel_size):
                 # The other hosts register theirs.
                 registry = EngineRegistry(config)
                 try:

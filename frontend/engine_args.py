@@ -215,6 +215,7 @@ class EngineArgs:
     engine_start_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 20.0  # a silent core (or front-end) is declared gone after this
     core_address: str | None = None  # a running `tidal core` to connect to
+    engine_core_addresses: list[str] | None = None  # running data-parallel engines (one per rank)
     max_core_restarts: int = 3  # a dead core is restarted and its streams resumed (0: off)
     core_reconnect_timeout_s: float = 30.0  # how long a headless core's front-end waits for it
     core_key_file: str | None = None  # CURVE key file of a keyed headless core

@@ -37,6 +37,7 @@ import asyncio
 import bisect
 import copy
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
@@ -79,6 +80,11 @@ FINISH_REASONS = tuple(dict.fromkeys([*(str(r) for r in FinishReason), "stop", "
                                       "repetition"]))
 TIDAL_PREFIX = "tidal:"  # tidal's own metrics, those vLLM has none for
 LABEL_NAMES = ("model_name", "engine")
+# Several API server processes (prometheus_client's multiprocess mode, set by
+# frontend/entrypoints/api_servers.py): counters and histograms are summed over them; a gauge is
+# one engine's state as each server last heard it, so the most recent value stands.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+GAUGE_MODE = "mostrecent"
 # vLLM's `reason` label values of vllm:num_requests_waiting_by_reason.
 WAITING_REASON_CAPACITY = "capacity"  # waiting for room (KV blocks, max_num_seqs, token budget)
 WAITING_REASON_DEFERRED = "deferred"  # held back by something passing (a grammar still compiling)
@@ -142,7 +148,8 @@ class PrometheusStatLogger(AggregateStatLoggerBase):
         return {i: family.labels(*values) for i, values in self._label_values.items()}
 
     def _gauge(self, name: str, doc: str) -> dict[int, prom.Gauge]:
-        return self._per_engine(prom.Gauge(self.prefix + name, doc, LABEL_NAMES, registry=self.registry))
+        return self._per_engine(prom.Gauge(self.prefix + name, doc, LABEL_NAMES, registry=self.registry,
+                                           multiprocess_mode=GAUGE_MODE))
 
     def _counter(self, name: str, doc: str, prefix: str | None = None) -> dict[int, prom.Counter]:
         name = (self.prefix if prefix is None else prefix) + name
@@ -156,7 +163,8 @@ class PrometheusStatLogger(AggregateStatLoggerBase):
                   values: Sequence[str]) -> dict[str, dict[int, Any]]:
         """A metric with one more label than `model_name`, `engine`: {value: {engine: child}},
         every value exported from the start (at 0), so a rate over it exists before the first."""
-        family = kind(self.prefix + name, doc, LABEL_NAMES + (label,), registry=self.registry)
+        mode = {"multiprocess_mode": GAUGE_MODE} if kind is prom.Gauge else {}
+        family = kind(self.prefix + name, doc, LABEL_NAMES + (label,), registry=self.registry, **mode)
         return {v: {i: family.labels(*lv, v) for i, lv in self._label_values.items()} for v in values}
 
     def _make_scheduler_metrics(self) -> None:
@@ -276,7 +284,7 @@ class PrometheusStatLogger(AggregateStatLoggerBase):
             raise ValueError(f"Unknown metrics info type {type}")
         info = cache_config_metrics_info(config_obj)
         gauge = prom.Gauge(self.prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
-                           [*info, "engine"], registry=self.registry)
+                           [*info, "engine"], registry=self.registry, multiprocess_mode=GAUGE_MODE)
         for i in self.engine_indexes:
             gauge.labels(**info, engine=str(i)).set(1)
         self._cache_config_info = gauge
@@ -508,7 +516,15 @@ class EngineMetrics:
 
     @property
     def registry(self) -> prom.CollectorRegistry:
-        """For the server: `prometheus_client.generate_latest(metrics.registry)`."""
+        """For the server: `prometheus_client.generate_latest(metrics.registry)`. One of several
+        API servers (`--api-server-count`, prometheus_client's multiprocess mode): a registry
+        that collects every server's values from the shared directory."""
+        if MULTIPROC_DIR_ENV in os.environ:
+            from prometheus_client import multiprocess
+
+            registry = prom.CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return registry
         return self.prometheus.registry
 
     @property

@@ -197,6 +197,9 @@ class EngineConfig(VllmConfigAttrs):
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
     data_parallel_backend: str = "mp"  # "ray": the engines placed by Ray (core/ray_engines.py)
+    # The data-parallel engines run already, headless at these addresses (one per rank): set
+    # for each of `tidal serve --api-server-count N`'s servers (frontend/entrypoints/api_servers.py).
+    engine_core_addresses: list[str] | None = None
     # Tensor parallelism across hosts (vLLM's nnodes / node_rank / master_addr / master_port):
     # tensor_parallel_size // nnodes ranks per node; node 0 runs the engine core, which serves
     # the rendezvous store at master_addr:master_port and the other nodes' registration at
@@ -220,6 +223,9 @@ class EngineConfig(VllmConfigAttrs):
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_rank}.")
+        if self.engine_core_addresses is not None and len(self.engine_core_addresses) != self.data_parallel_size:
+            raise ValueError(f"engine_core_addresses names {len(self.engine_core_addresses)} engines for "
+                             f"data_parallel_size={self.data_parallel_size}")
         local, start = self.dp_local_size, self.data_parallel_start_rank or 0
         if not (1 <= local <= self.data_parallel_size and 0 <= start <= self.data_parallel_size - local):
             raise ValueError(f"data_parallel_size_local={local} from data_parallel_start_rank={start} does not fit "

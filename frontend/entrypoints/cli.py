@@ -66,6 +66,15 @@ def _run_loop(coro: asyncio.Future[None] | object) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.headless:
         return _cmd_headless(args)
+    from tidal.frontend.entrypoints.api_servers import apply_child_settings, child_settings, run_api_servers
+
+    if (settings := child_settings()) is not None:  # one of --api-server-count's servers
+        apply_child_settings(args, settings)
+        args.listen_fd = settings["fd"]
+    elif args.api_server_count > 1:
+        return run_api_servers(args, sys.argv[1:])
+    elif args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     from tidal.frontend.entrypoints.openai.api_server import run_server
 
     logging.getLogger("tidal").setLevel(logging.INFO)  # the startup line and the stats log
@@ -159,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.frontend.entrypoints.openai.cli_args import add_serve_args
 
     add_serve_args(serve)
+    serve.add_argument("--api-server-count", "-asc", type=int, default=1,
+                       help="API server processes sharing the port, each reaching every engine "
+                            "(/metrics aggregated over them)")
     serve.add_argument("--headless", action="store_true",
                        help="no API server: run this node's tensor-parallel ranks for a leader (--nnodes, "
                             "--node-rank, --master-addr, --master-port), or data-parallel engines for a head "

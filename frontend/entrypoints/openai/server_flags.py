@@ -320,6 +320,8 @@ def remove_uds(args: argparse.Namespace) -> None:
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The socket, TLS and logging settings of uvicorn.Config."""
     out: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
+    if getattr(args, "listen_fd", None) is not None:  # one of --api-server-count's servers (api_servers.py)
+        out = {"fd": args.listen_fd}
     if args.log_config_file is not None:
         out["log_config"] = None  # apply_log_config has set it up
     if args.ssl_keyfile is not None:
