@@ -263,6 +263,23 @@ def test_front_end_without_the_key_is_told_which_key_is_wrong(
         AsyncLLM(model=long_model_dir, core_address=keyed_core, engine_start_timeout_s=120, **kwargs[which])
 
 
+def test_serve_with_a_wrong_key_exits_naming_the_key(keyed_core: str, keys: tuple[str, str], long_model_dir: str,
+                                                    tidal_cache_dir: str) -> None:
+    """`tidal serve` against the keyed core with another key file exits at once with words
+    that name the key, not after --engine-start-timeout-s (120 s here, past this test's
+    limit) with "no handshake"."""
+    from tidal.utils.network import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_API_KEY", "VLLM_API_KEY")}
+    env["TIDAL_CACHE_DIR"] = tidal_cache_dir
+    res = subprocess.run([sys.executable, "-m", "tidal.frontend.entrypoints.cli", "serve", long_model_dir,
+                          "--port", str(free_port()), "--core-address", keyed_core, "--core-key-file", keys[1],
+                          "--engine-start-timeout-s", "120"], capture_output=True, text=True, timeout=100, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-2000:]
+    assert "the server key in core_key_file is not this core's key" in out, out[-2000:]
+
+
 def test_llm_with_the_key_is_served(keyed_core: str, keys: tuple[str, str], long_model_dir: str) -> None:
     with LLM(model=long_model_dir, core_address=keyed_core, core_key_file=keys[0],
              engine_start_timeout_s=60) as llm:

@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -124,6 +125,9 @@ def load_key_file(path: str, *, server: bool) -> CoreKey:
     return CoreKey(**keys)  # type: ignore[arg-type]
 
 
+# How long a vague handshake failure waits for a reconnect's specific one (libzmq reconnects
+# every 100 ms by default, so a few attempts fit).
+VAGUE_GRACE_S = 1.0
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -137,6 +141,8 @@ class HandshakeWatch:
 
     def __init__(self, ctx: zmq.Context, sock: zmq.Socket, keyed: bool) -> None:
         self._keyed = keyed
+        # The first vague failure's words and when it came (see problem()).
+        self._vague: tuple[str, float] | None = None
         addr = f"inproc://tidal-handshake-{id(self):x}"
         sock.monitor(addr, HANDSHAKE_EVENTS)
         # A plain socket on the same libzmq context (the owner's may be a zmq.asyncio one).
@@ -146,27 +152,47 @@ class HandshakeWatch:
 
     def problem(self, wait_s: float = 0.0) -> str | None:
         """Why the core refused this front-end (words naming the key to fix), or None so far
-        (waiting up to `wait_s` for the first event)."""
+        (reading events for up to `wait_s`). A vague failure -- the core hung up mid-handshake,
+        which is what a keyed core often does to a keyless front-end before its mechanism
+        mismatch reaches it -- is given VAGUE_GRACE_S (or the rest of `wait_s`) for the
+        reconnect's specific event to name the key instead."""
         from zmq.utils.monitor import recv_monitor_message
 
-        timeout_ms = int(wait_s * 1000)
-        while self._mon.poll(timeout_ms):
-            timeout_ms = 0
+        deadline = time.monotonic() + wait_s
+        while self._mon.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             msg = recv_monitor_message(self._mon)
             event, value = msg["event"], int(msg["value"])
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return ("refused this front-end's CURVE key: core_key_file must be a copy of the key file the "
-                        "core runs with (`tidal core --key-file FILE`)")
-            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._keyed:
-                return ("failed the CURVE handshake: the server key in core_key_file is not this core's key "
-                        "(core_key_file must be a copy of the key file the core runs with)")
-            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                return ("is not keyed, and this front-end offered a CURVE key (core_key_file): drop "
-                        "core_key_file, or start the core with --key-file FILE" if self._keyed else
-                        "is keyed (CURVE) and this front-end has no key: pass core_key_file=FILE, a copy of "
-                        "the core's key file")
-            if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                return f"failed the ZMTP handshake (protocol error {value:#x}): is this a tidal engine core?"
+            if (found := self._named(event, value)) is not None:
+                return found
+            if self._vague is None and (vague := self._vague_words(event, value)) is not None:
+                self._vague = (vague, time.monotonic())
+        if self._vague is not None and (wait_s > 0 or time.monotonic() - self._vague[1] >= VAGUE_GRACE_S):
+            return self._vague[0]
+        return None
+
+    def _named(self, event: int, value: int) -> str | None:
+        """The words for an event that tells which key is wrong, else None."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return ("refused this front-end's CURVE key: core_key_file must be a copy of the key file the "
+                    "core runs with (`tidal core --key-file FILE`)")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._keyed:
+            return ("failed the CURVE handshake: the server key in core_key_file is not this core's key "
+                    "(core_key_file must be a copy of the key file the core runs with)")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return ("is not keyed, and this front-end offered a CURVE key (core_key_file): drop "
+                    "core_key_file, or start the core with --key-file FILE" if self._keyed else
+                    "is keyed (CURVE) and this front-end has no key: pass core_key_file=FILE, a copy of "
+                    "the core's key file")
+        return None
+
+    def _vague_words(self, event: int, value: int) -> str | None:
+        """The words for a failure that does not say why (None: not a failure)."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # a keyless front-end (see _named)
+            return (f"hung up during the ZMTP handshake (errno {value}): a keyed (CURVE) core does this to a "
+                    "front-end without its key (pass core_key_file=FILE, a copy of the core's key file); "
+                    "or is this not a tidal engine core?")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return f"failed the ZMTP handshake (protocol error {value:#x}): is this a tidal engine core?"
         return None
 
     def close(self, sock: zmq.Socket) -> None:

@@ -31,7 +31,7 @@ import prometheus_client
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -41,6 +41,7 @@ from tidal.frontend.entrypoints.openai.cli_args import api_keys, load_chat_templ
 from tidal.frontend.entrypoints.openai.disconnect import ClientGone
 from tidal.frontend.entrypoints.openai.errors import APIError, from_exception
 from tidal.frontend.entrypoints.openai.graceful_server import ABORT_GRACE_S, GracefulServer
+from tidal.frontend.entrypoints.openai.http_guard import guarded_protocol
 from tidal.frontend.entrypoints.openai.limits import RequestSizeLimits
 from tidal.frontend.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -186,10 +187,9 @@ def json_endpoint(handler: Handler, request_type: type, limit: int) -> Callable[
         (lambda b: b) if request_type is bytes else request_decoder(request_type).decode)
 
     async def endpoint(request: Request) -> Response:
-        body = await read_body(request, limit)
         try:
-            return await handler(decode(body), request)
-        except ClientGone:
+            return await handler(decode(await read_body(request, limit)), request)
+        except (ClientGone, ClientDisconnect):  # mid-body too (e.g. closed by --request-read-timeout)
             return Response(status_code=499)  # nobody reads it: the client went away
         except Exception as e:
             raise from_exception(e) from None
@@ -388,6 +388,8 @@ async def run_server(args: Any) -> None:
     limits = RequestSizeLimits.from_env()
     template = load_chat_template(args.chat_template)
     server_kwargs = uvicorn_kwargs(args)
+    # httptools with read and write time bounds (http_guard.py): slow clients hurt only themselves.
+    http = guarded_protocol(args.request_read_timeout, args.response_write_timeout)
     apply_log_config(args)  # before the engine starts its processes: they inherit it
     engine_args = engine_args_from(args)
     engine = AsyncLLM.from_engine_args(engine_args)
@@ -404,7 +406,7 @@ async def run_server(args: Any) -> None:
         app = build_app(ctx, api_key=keys, max_body_bytes=args.max_request_body_bytes, flags=args)
         if args.root_path:
             app = RootPathOnce(app, args.root_path)
-        config = uvicorn.Config(app, http="httptools", lifespan="on", log_level=args.uvicorn_log_level,
+        config = uvicorn.Config(app, http=http, lifespan="on", log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
                                 root_path=args.root_path or "",

@@ -7,6 +7,7 @@ import logging
 import os
 
 from tidal.frontend import AsyncEngineArgs
+from tidal.frontend.entrypoints.openai.http_guard import DEFAULT_READ_TIMEOUT_S, DEFAULT_WRITE_TIMEOUT_S
 from tidal.frontend.entrypoints.openai.server_flags import add_server_flags
 from tidal.protocol import envs
 
@@ -50,6 +51,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="larger request bodies get 413 (default 32 MiB)")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="on SIGTERM, seconds in-flight requests may run before they are aborted")
+    group.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                       help="seconds a client has to send a request's headers (from its first byte, or from "
+                            "connecting), and the longest pause within its body; else 408 and the connection "
+                            "is closed (slow or stalled senders). 0: no bound")
+    group.add_argument("--response-write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT_S,
+                       help="seconds a response may wait on a client that reads nothing (its socket and the "
+                            "server's send buffer full); then the connection is dropped and its request "
+                            "aborted in the engine. 0: no bound")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
