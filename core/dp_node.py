@@ -18,7 +18,6 @@ import threading
 import time
 
 import msgspec
-import zmq
 
 from tidal.protocol.config import EngineConfig
 from tidal.protocol.messages import EngineHello, HelloReply
@@ -26,6 +25,7 @@ from tidal.utils.curve import check_bind_security
 from tidal.utils.network import free_port, local_address_towards
 from tidal.utils.openmp import compute_process_env
 from tidal.utils.process import stop_processes
+from tidal.utils.zmq_utils import request_until_answered
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +81,14 @@ def _register(config: EngineConfig, addresses: list[str], stop: threading.Event)
     head = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
     hello = msgspec.json.encode(EngineHello(config.data_parallel_start_rank or 0, addresses,
                                             config.data_parallel_size, config.model))
-    ctx = zmq.Context()
-    try:
-        while not stop.is_set():
-            sock = ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(head)
-            sock.send(hello)
-            if sock.poll(2000):
-                reply = msgspec.json.decode(sock.recv(), type=HelloReply)
-                if reply.error is not None:
-                    raise ValueError(f"the head at {head} refused these engines: {reply.error}")
-                logger.info("engines registered with the head at %s: %s", head, addresses)
-                return True
-            sock.close()
+    answer = request_until_answered(head, hello, stop)
+    if answer is None:
         return False
-    finally:
-        ctx.destroy(linger=0)
+    reply = msgspec.json.decode(answer, type=HelloReply)
+    if reply.error is not None:
+        raise ValueError(f"the head at {head} refused these engines: {reply.error}")
+    logger.info("engines registered with the head at %s: %s", head, addresses)
+    return True
 
 
 def run_dp_node(config: EngineConfig, stop: threading.Event | None = None) -> int:

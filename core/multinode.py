@@ -36,7 +36,7 @@ from tidal.protocol.messages import WorkerFrame
 from tidal.utils.network import interface_towards
 from tidal.utils.openmp import threads_per_rank
 from tidal.utils.process import stop_processes
-from tidal.utils.zmq_utils import Heartbeat
+from tidal.utils.zmq_utils import Heartbeat, request_until_answered
 
 logger = logging.getLogger(__name__)
 
@@ -130,31 +130,17 @@ class NodeRegistry:
 
 # ---------------------------------------------------------------------------- the agent
 def _register(config: EngineConfig, stop: threading.Event) -> NodePlan | None:
-    """Say hello until the leader answers (a fresh REQ per try: a lost request leaves no
-    stuck socket); None once `stop` is set."""
+    """Say hello until the leader answers; None once `stop` is set, ValueError if refused."""
     address = f"tcp://{config.master_addr}:{config.master_port + 1}"
     hello = msgspec.json.encode(NodeHello(config.node_rank, config.nnodes, config.tensor_parallel_size, config.model))
-    ctx = zmq.Context()
-    try:
-        waited = 0.0
-        while not stop.is_set():
-            sock = ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            sock.send(hello)
-            if sock.poll(2000):
-                plan = msgspec.json.decode(sock.recv(), type=NodePlan)
-                sock.close()
-                if plan.error is not None:
-                    raise ValueError(f"the leader at {address} refused node {config.node_rank}: {plan.error}")
-                return plan
-            sock.close()
-            waited += 2.0
-            if waited % 30 < 2.0:
-                logger.info("node %d: waiting for the leader at %s", config.node_rank, address)
+    logger.info("node %d: registering with the leader at %s", config.node_rank, address)
+    answer = request_until_answered(address, hello, stop)
+    if answer is None:
         return None
-    finally:
-        ctx.destroy(linger=0)
+    plan = msgspec.json.decode(answer, type=NodePlan)
+    if plan.error is not None:
+        raise ValueError(f"the leader at {address} refused node {config.node_rank}: {plan.error}")
+    return plan
 
 
 def _spawn_ranks(config: EngineConfig, plan: NodePlan) -> dict[int, subprocess.Popen]:

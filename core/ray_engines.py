@@ -154,15 +154,10 @@ class RayEngines:
                 except Exception:  # noqa: BLE001
                     pass
             self.actors = []
-        if self._pg is not None:
-            try:
-                ray.util.remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
-            self._pg = None
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
-            self._started_ray = False
+        from tidal.core.ray_executor import release_ray
+
+        release_ray(ray, self._pg, self._started_ray)
+        self._pg, self._started_ray = None, False
         import shutil
 
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -60,6 +60,17 @@ def connect_ray(ray: Any) -> bool:
     return True
 
 
+def release_ray(ray: Any, placement_group: Any, started: bool) -> None:
+    """Free a placement group (None: none) and stop the Ray that `connect_ray` started."""
+    if placement_group is not None:
+        try:
+            ray.util.remove_placement_group(placement_group)
+        except Exception:  # noqa: BLE001 - gone with the cluster
+            pass
+    if started and ray.is_initialized():
+        ray.shutdown()
+
+
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -192,15 +203,8 @@ class RayExecutor(Executor):
             except Exception:  # noqa: BLE001 - killed below either way
                 pass
         self._kill_actors()
-        if self._pg is not None:
-            try:
-                ray.util.remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
-            self._pg = None
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
-            self._started_ray = False
+        release_ray(ray, self._pg, self._started_ray)
+        self._pg, self._started_ray = None, False
 
 
 _STARTUP, _IDLE = "start-up", "idle"

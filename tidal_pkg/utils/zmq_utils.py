@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -149,5 +150,26 @@ def zmq_context() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     try:
         yield ctx
+    finally:
+        ctx.destroy(linger=0)
+
+
+def request_until_answered(address: str, payload: bytes, stop: threading.Event, try_s: float = 2.0) -> bytes | None:
+    """Send `payload` to the REP socket at `address` until it answers (a fresh REQ per try: a
+    request lost to a peer that was not up yet leaves no stuck socket); the answer, or None
+    once `stop` is set. Each try is bounded by `try_s`."""
+    ctx = zmq.Context()
+    try:
+        while not stop.is_set():
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send(payload)
+            if sock.poll(int(try_s * 1000)):
+                answer = sock.recv()
+                sock.close()
+                return answer
+            sock.close()
+        return None
     finally:
         ctx.destroy(linger=0)
