@@ -112,6 +112,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # x, x_row_stride, w_packed, bias (nullable), out, out_row_stride, m, n, k, kind (0 f32, 1 f16, 2 bf16)
     "tidal_gemm_panels": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]),
     "tidal_gemm_panels_simd": (ctypes.c_int, []),
+    # the same arguments as tidal_gemm_panels, for 1 <= m <= 4 (csrc/gemv.c; bit-identical results)
+    "tidal_gemv_panels": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]),
     # x, x_row_stride, wq (int8 [N, kb*32]), wd (float32 [N, kb]), bias (nullable), out, out_row_stride, m, n, k
     "tidal_int8_gemm": (ctypes.c_int, [_p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64]),
     # x, x_stride, out, weight, eps, rows, dim

@@ -12,6 +12,9 @@ holding output columns 16 p .. 16 p + 15 (zero columns pad the last panel) with 
 index, so the kernel reads 16 columns of one k as contiguous bytes. For bf16 the 16 slots of a
 row hold columns 0, 8, 1, 9, ..., 7, 15 (see _BF16_SLOTS), which lets the kernel widen them with
 one shift and one mask. The packed tensor's dtype says which kind it is.
+
+Batches of 1-4 rows (decode) run csrc/gemv.c instead: the same layout and bit-identical results,
+with each weight stream prefetched ahead, since there the weight's read rate is all that counts.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from tidal.worker.cpu_kernels import cpu_kernels
 
 _NR = 16  # output columns per panel
+GEMV_MAX_ROWS = 4  # rows up to which run_panel_gemm calls csrc/gemv.c (its limit too)
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc/gemm_panels.c's W_F32, W_F16, W_BF16
 # bf16 slot s of a panel row holds column _BF16_SLOTS[s]: even slots columns 0-7, odd ones 8-15.
 _BF16_SLOTS = torch.tensor([c for pair in zip(range(8), range(8, 16)) for c in pair])
@@ -98,9 +102,12 @@ def run_panel_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
     if bias is not None:
         bias = bias.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.tidal_gemm_panels(
-        x.data_ptr(), x.stride(0) if m > 1 else k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        out.data_ptr(), n, m, n, k, _KINDS[packed.dtype])
+    # Decode batches of 1-4 rows: the kernel that streams the weight with prefetches (csrc/gemv.c);
+    # its results are the GEMM's bit for bit, so a row never changes with the batch around it.
+    gemv = m <= GEMV_MAX_ROWS
+    fn = lib.tidal_gemv_panels if gemv else lib.tidal_gemm_panels
+    rc = fn(x.data_ptr(), x.stride(0) if m > 1 else k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            out.data_ptr(), n, m, n, k, _KINDS[packed.dtype])
     if rc != 0:
-        raise RuntimeError(f"tidal_gemm_panels failed with code {rc}")
+        raise RuntimeError(f"{'tidal_gemv_panels' if gemv else 'tidal_gemm_panels'} failed with code {rc}")
     return out
