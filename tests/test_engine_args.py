@@ -15,7 +15,8 @@ from tidal.frontend.arg_rules import RULES, Implemented, NoOp, Refused, field_de
 
 TIDAL_EXTRAS = {"device", "worker_step_timeout_s", "engine_start_timeout_s", "heartbeat_timeout_s",
                 "core_address", "model_runner", "num_kv_blocks", "max_core_restarts",
-                "core_reconnect_timeout_s", "core_key_file", "max_waiting_requests", "grammar_compile_timeout_s"}
+                "core_reconnect_timeout_s", "core_key_file", "max_waiting_requests", "grammar_compile_timeout_s",
+                "engine_core_addresses"}
 
 
 def test_every_vllm_arg_is_a_field_with_exactly_one_outcome() -> None:
