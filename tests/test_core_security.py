@@ -248,7 +248,10 @@ def _with_other_client_key(good_key: str, path: str) -> str:
 
 
 @pytest.mark.parametrize(("which", "words"), [
-    ("keyless", "is keyed \\(CURVE\\) and this front-end has no key: pass core_key_file"),
+    # A keyed core often hangs up on a keyless front-end before libzmq says why: then the
+    # front-end's fallback still names the cause and core_key_file.
+    ("keyless", "(is keyed \\(CURVE\\) and this front-end has no key: pass core_key_file"
+                "|a keyed \\(CURVE\\) core does this to a front-end without its key \\(pass core_key_file)"),
     ("another key file", "the server key in core_key_file is not this core's key"),
     ("another client key", "refused this front-end's CURVE key: core_key_file must be a copy"),
 ])
