@@ -156,26 +156,6 @@ def test_dp_refusals(tiny_model_dir: str) -> None:
         LLM(model=tiny_model_dir, data_parallel_size=0)
 
 
-def test_serve_dp2_spreads_requests_and_labels_metrics(tiny_model_dir: str, tidal_cache_dir: str) -> None:
-    try:
-        from server_utils import Server
-    except ImportError:
-        from tests.server_utils import Server  # type: ignore[no-redef]
-
-    srv = Server(tiny_model_dir, ["-dp", "2", "--served-model-name", "tiny"], tidal_cache_dir)
-    try:
-        client = srv.client()
-        for i in range(8):
-            out = client.completions.create(model="tiny", prompt=f"the sea {i}", max_tokens=5,
-                                            temperature=0.0, extra_body={"ignore_eos": True})
-            assert out.usage.completion_tokens == 5
-        metrics = srv.metrics()
-        per_engine = [metrics[f'vllm:generation_tokens_total{{engine="{e}",model_name="tiny"}}'] for e in "01"]
-        assert sum(per_engine) == 40 and min(per_engine) > 0, per_engine
-    finally:
-        srv.stop()
-
-
 async def test_dp2_on_ray_equals_dp1_and_survives_sigkill(tiny_model_dir: str, reference: Any,
                                                           no_orphans: None) -> None:
     """data_parallel_backend="ray": the engines placed by a private local Ray cluster; the
