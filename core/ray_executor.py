@@ -29,6 +29,7 @@ from tidal.utils.deadline import Deadline
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # longest wait on the ranks' results between deadline checks
+_PEER_GRACE_S = 2.0  # after an error raised in a rank, how long to look for a peer that died
 _HEALTH_TIMEOUT_S = 10.0  # an idle rank must answer a ping within this
 _KILL_GRACE_S = 5.0  # a rank's graceful shutdown call, before its actor is killed
 
@@ -158,12 +159,28 @@ class RayExecutor(Executor):
                 try:
                     values[index[ref]] = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - RayActorError, RayTaskError, ...
+                    if not isinstance(e, ray.exceptions.RayActorError) and pending:
+                        # An error raised in a rank (a collective's "connection reset") is most
+                        # often a peer's death seen from there: name the dead peer if there is one.
+                        self._fail_on_dead_peer(pending, index, what)
                     self._fail(f"worker rank {index[ref]} failed {_where(what)}: {_describe(e)}")
             if pending and deadline.expired():
                 ranks = ", ".join(str(index[r]) for r in pending)
                 limit = "engine_start_timeout_s" if what == _STARTUP else "worker_step_timeout_s"
                 self._fail(f"worker rank(s) {ranks} did not finish {what} within {limit}")
         return values
+
+    def _fail_on_dead_peer(self, pending: list[Any], index: dict[Any, int], what: str) -> None:
+        """Fail naming the first of `pending`'s ranks whose actor died within _PEER_GRACE_S."""
+        ray = self.ray
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=_PEER_GRACE_S)
+        for ref in sorted(done, key=index.__getitem__):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._fail(f"worker rank {index[ref]} died {_where(what)}: {_describe(e)}")
+            except Exception:  # noqa: BLE001 - another in-rank error: not the root cause either
+                continue
 
     # ------------------------------------------------------------------ failure
     def _fail(self, message: str) -> None:
