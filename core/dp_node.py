@@ -38,8 +38,10 @@ class CoreFleet:
     address when it dies (at most MAX_RESTARTS within RESTART_WINDOW_S): the front-ends that
     reach them reconnect and resume their requests. Also serves `tidal serve --api-server-count`."""
 
-    def __init__(self, config: EngineConfig, ranks: range, addresses: list[str]) -> None:
-        self.config, self.ranks, self.addresses = config, ranks, addresses
+    def __init__(self, config: EngineConfig, ranks: range, addresses: list[str],
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: more environment for the cores (under os.environ's, see compute_process_env)."""
+        self.config, self.ranks, self.addresses, self.env = config, ranks, addresses, env
         self.procs: dict[int, subprocess.Popen | None] = {}
         self._restarts: dict[int, list[float]] = {rank: [] for rank in ranks}
 
@@ -49,7 +51,7 @@ class CoreFleet:
                "--parent-pid", str(os.getpid())]
         if self.config.core_key_file is not None:
             cmd += ["--key-file", self.config.core_key_file]
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env())
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=compute_process_env(self.env))
 
     def start(self) -> None:
         for rank, address in zip(self.ranks, self.addresses):

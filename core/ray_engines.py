@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
+import shutil
 import tempfile
 import threading
 from typing import Any
 
+from tidal.core.dp_node import CoreFleet
 from tidal.protocol.config import EngineConfig
 from tidal.utils.deadline import Deadline
 
@@ -29,20 +29,17 @@ _RESTART_POLL_S = 0.2
 
 class EngineCoreHost:
     """A Ray actor (wrapped with ray.remote by `RayEngines`): one engine core process on this
-    node, kept running at one address until `shutdown()`."""
+    node, kept running at one address (core/dp_node.py's CoreFleet) until `shutdown()`."""
 
     def __init__(self, config_json: bytes, rank: int, key_json: str, threads: int) -> None:
-        self.config = EngineConfig.from_json(config_json).replace(data_parallel_rank=rank)
-        self.rank = rank
         self._dir = tempfile.mkdtemp(prefix="tidal-ray-engine-")
-        self.key_file = os.path.join(self._dir, "core.key")
-        fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        key_file = os.path.join(self._dir, "core.key")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(key_json)
-        self.threads = threads
-        self.proc: subprocess.Popen | None = None
-        self.address = ""
-        self.restarts = 0
+        self.config = EngineConfig.from_json(config_json).replace(core_key_file=key_file)
+        self.rank, self.threads = rank, threads
+        self.fleet: CoreFleet | None = None
         self._stop = threading.Event()
 
     def start(self) -> str:
@@ -52,40 +49,26 @@ class EngineCoreHost:
         from tidal.utils.network import free_port
 
         host = str(ray.util.get_node_ip_address())
-        self.address = f"tcp://{host}:{free_port(host)}"
-        self.proc = self._spawn()
+        address = f"tcp://{host}:{free_port(host)}"
+        self.fleet = CoreFleet(self.config, range(self.rank, self.rank + 1), [address],
+                               env={"OMP_NUM_THREADS": str(self.threads)})
+        self.fleet.start()
         threading.Thread(target=self._keep_running, name="tidal-engine-host", daemon=True).start()
-        return self.address
-
-    def _spawn(self) -> subprocess.Popen:
-        from tidal.utils.openmp import compute_process_env
-
-        cmd = [sys.executable, "-m", "tidal.core.core_proc", "--address", self.address,
-               "--config-json", self.config.to_json().decode(), "--parent-pid", str(os.getpid()),
-               "--key-file", self.key_file]
-        env = compute_process_env({"OMP_NUM_THREADS": str(self.threads)})
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=env)
+        return address
 
     def _keep_running(self) -> None:
         while not self._stop.wait(_RESTART_POLL_S):
-            proc = self.proc
-            if proc is not None and proc.poll() is not None and not self._stop.is_set():
-                logger.warning("engine %d died (exit %s); restarting it at %s", self.rank, proc.returncode,
-                               self.address)
-                self.restarts += 1
-                self.proc = self._spawn()
+            if self.fleet is not None:
+                self.fleet.keep_running()
 
     def core_pid(self) -> int:
-        return -1 if self.proc is None else self.proc.pid
+        proc = None if self.fleet is None else self.fleet.procs.get(self.rank)
+        return -1 if proc is None else proc.pid
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self.proc is not None:
-            from tidal.utils.process import stop_process
-
-            stop_process(self.proc, 10.0)
-        import shutil
-
+        if self.fleet is not None:
+            self.fleet.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -158,6 +141,4 @@ class RayEngines:
 
         release_ray(ray, self._pg, self._started_ray)
         self._pg, self._started_ray = None, False
-        import shutil
-
         shutil.rmtree(self._dir, ignore_errors=True)
