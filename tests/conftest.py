@@ -2,13 +2,29 @@
 helpers for the process tests (engine-core children, ipc directories)."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from typing import Any, Iterator
 
 import psutil
 import pytest
 
 from tidal.utils.network import free_port as free_tcp_port  # noqa: F401 - test_core_proc imports it
+
+# Each test process (one per pytest-xdist worker) gets a temp directory of its own, made here
+# before any test runs and inherited by every engine core, worker and Ray daemon it starts, so
+# the leak checks (worker ipc dirs left behind, Ray processes left running) see this process's
+# work and not another worker's. TMPDIR for tempfile (ipc dirs, sockets), RAY_TMPDIR for Ray's
+# session files: every Ray daemon and worker inherits it, which is how the Ray tests tell their
+# own cluster's processes apart. Short, as unix socket paths must stay under 108 bytes.
+TEST_TMPDIR = os.path.join(tempfile.gettempdir(), f"tt{os.getpid()}")
+os.makedirs(TEST_TMPDIR, exist_ok=True)
+os.environ["TMPDIR"] = TEST_TMPDIR
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+RAY_TMPDIR = os.environ["RAY_TMPDIR"] = TEST_TMPDIR
+atexit.register(shutil.rmtree, TEST_TMPDIR, True)
 
 
 @pytest.fixture(scope="session")

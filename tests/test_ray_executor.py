@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from conftest import RAY_TMPDIR  # noqa: E402
 from engine_utils import step_outputs  # noqa: E402
 from tidal.core.engine_core import EngineCore  # noqa: E402
 from tidal.core.ray_executor import RayExecutor, WorkerFailure  # noqa: E402
@@ -79,14 +80,16 @@ def _run(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, list[float]]
 
 
 def _ray_daemons() -> list[psutil.Process]:
+    """This test process's Ray daemons and workers (those of its RAY_TMPDIR, see conftest),
+    not another pytest-xdist worker's."""
     found = []
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
             text = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
+            if any(marker in text for marker in _RAY_DAEMONS) and p.environ().get("RAY_TMPDIR") == RAY_TMPDIR:
+                found.append(p)
         except psutil.Error:
             continue
-        if any(marker in text for marker in _RAY_DAEMONS):
-            found.append(p)
     return found
 
 
