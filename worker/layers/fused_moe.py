@@ -12,7 +12,8 @@ projection are all-reduced once per layer, after the combine.
 Grouping: the T * top_k (token, expert) pairs are sorted by expert once; each expert then runs
 its GEMMs on one contiguous block of the gathered rows, so there is a Python loop over the
 experts a step touches, never over tokens. On CPU each expert's weights are packed for
-tidal's GEMM (worker/layers/gemm.py) like any linear layer's; elsewhere `F.linear` runs.
+tidal's GEMM (worker/layers/gemm.py) like any linear layer's; on CUDA a Triton grouped GEMM
+(worker/layers/fused_moe_triton.py) runs every expert in one launch; elsewhere `F.linear` runs.
 """
 
 from __future__ import annotations
@@ -143,7 +144,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
-        if hidden_states.shape[0] == 1:
+        if (hidden_states.is_cuda and self.w13_weight is not None
+                and type(self)._expert is FusedMoE._expert):  # gpt-oss's own experts keep the torch path
+            from tidal.worker.layers.fused_moe_triton import fused_experts_triton
+
+            final = fused_experts_triton(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        elif hidden_states.shape[0] == 1:
             final = self._forward_one_token(hidden_states, topk_weights, topk_ids)
         else:
             final = self._forward_grouped(hidden_states, topk_weights, topk_ids)
