@@ -16,9 +16,12 @@ the front end detokenize for nobody, stalling every other client and /health for
   the connection's opening: a connection that sends nothing is closed too), and its body may
   pause no longer than that between reads; else a JSON 408 (when no response has started) and
   the connection is closed. The app, if it was reading the body, sees a disconnect.
-- write: when the transport's write buffer stays over its high-water mark (64 KiB, on top of a
-  full kernel socket buffer: the client reads nothing, or too little to bring it back under
-  the low-water mark) for `write_timeout` seconds, the connection is aborted. uvicorn reports the disconnect to the app, so CancelOnDisconnect cancels the
+- write: once the transport's write buffer has gone over its high-water mark (64 KiB, on top
+  of a full kernel socket buffer), a client that takes in no byte of it for `write_timeout`
+  seconds has its connection aborted. "Takes in" is the kernel's count of bytes the peer
+  acknowledged (TCP_INFO), not the buffer's level: the buffer also drains when the kernel
+  grows its send buffer, and a bound reset by that let a stream nobody read run to its end
+  under load. uvicorn reports the disconnect to the app, so CancelOnDisconnect cancels the
   request's task, which closes its generate() streams: the engine aborts the request at once.
 
 A timeout of 0 turns its bound off.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import socket
 import struct
 import termios
 from http import HTTPStatus
@@ -55,6 +59,24 @@ def _unread_bytes(transport: asyncio.BaseTransport) -> int:
     return int(struct.unpack("i", buf)[0])
 
 
+_TCPI_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info (4.1+)
+
+
+def _bytes_acked(transport: asyncio.BaseTransport) -> int | None:
+    """Bytes of the response the peer has acknowledged so far (None when it cannot be told)."""
+    sock = transport.get_extra_info("socket")
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if sock is None or tcp_info is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, _TCPI_BYTES_ACKED + 8)
+    except (OSError, ValueError):
+        return None
+    if len(info) < _TCPI_BYTES_ACKED + 8:
+        return None
+    return int(struct.unpack_from("Q", info, _TCPI_BYTES_ACKED)[0])
+
+
 def _timeout_response(seconds: float) -> bytes:
     """The raw 408 for a request that did not arrive in time (OpenAI's error shape)."""
     body = APIError(f"Request not received within {seconds:g} s (--request-read-timeout)",
@@ -75,6 +97,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._acked_at_pause: int | None = None
 
     # ---------------------------------------------------------------- read bound
     def _arm_read(self) -> None:
@@ -134,14 +157,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_read()  # the request is in; the keep-alive timeout covers the idle after it
 
     # --------------------------------------------------------------- write bound
+    # Invariant: _write_timer is set from the first pause_writing after the client's last
+    # progress until the client acknowledges a byte more than _acked_at_pause (or, where
+    # the kernel cannot tell, until resume_writing).
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self.write_timeout > 0 and self._write_timer is None:
+        if self._write_timer is None:
+            self._arm_write()
+
+    def _arm_write(self) -> None:
+        if self.write_timeout > 0:
+            self._acked_at_pause = _bytes_acked(self.transport)
             self._write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._cancel_write()
+        if self._client_progressed():
+            self._cancel_write()
+
+    def _client_progressed(self) -> bool:
+        before = self._acked_at_pause
+        if before is None:
+            return True  # no byte count here: the buffer's drain is all there is to go by
+        now = _bytes_acked(self.transport)
+        return now is None or now > before
 
     def _cancel_write(self) -> None:
         if self._write_timer is not None:
@@ -150,11 +189,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _write_timed_out(self) -> None:
         self._write_timer = None
-        if not self.flow.write_paused:
-            return  # the client read meanwhile
+        if self.transport.is_closing():
+            return
+        if self._acked_at_pause is None:  # no byte count: the buffer's level is all there is
+            stalled = self.flow.write_paused
+        else:
+            stalled = not self._client_progressed()
+        if not stalled:
+            if self.flow.write_paused:
+                self._arm_write()  # it reads, if slowly, and the buffer is still over: a new period
+            return
         logger.info("aborted a connection whose client read nothing for %g s (--response-write-timeout)",
                     self.write_timeout)
-        # abort, not close: close would wait to flush the buffer the client does not read.
+        # abort, not close: close would wait to flush the buffer the client does not read. And a
+        # reset (linger 0): a plain close leaves the kernel holding the unsent megabytes of its
+        # send buffer, retrying a zero window for minutes on a socket nobody owns.
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (OSError, ValueError):
+                pass
         self.transport.abort()
 
     def handle_websocket_upgrade(self) -> None:
