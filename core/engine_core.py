@@ -204,6 +204,7 @@ class EngineCore:
                 for client, outs in outbox.items()}
 
     def _run_step(self) -> None:
+        t0 = time.perf_counter()
         som = self.structured_output_manager
         if som.has_pending():
             self._fail_grammars(som.update_grammars())
@@ -229,6 +230,10 @@ class EngineCore:
                 for out in outs:
                     out.request_id = external_id(out.request_id, client)
             self._outbox.setdefault(client, []).extend(outs)
+        if self.scheduler.spec is not None:
+            # What the whole step cost (proposing, a draft model's passes, verifying, sampling,
+            # the update): does speculating pay?
+            self.scheduler.spec.observe_step(scheduler_output, time.perf_counter() - t0)
         self._step_in_flight = None
 
     def _announce_started(self, scheduler_output: SchedulerOutput) -> None:

@@ -43,7 +43,9 @@ It pays or it steps aside (the proposals only decide speed, never tokens): each 
 proposal count adapts to what it had accepted -- one more than its last draft's accepted run,
 up to k -- and a request whose last MISS_LIMIT drafts had nothing accepted sits out a number
 of steps (doubling, up to MAX_BACKOFF) before it tries again. A whole step speculates not at
-all from disable_by_batch_size running requests on.
+all from disable_by_batch_size running requests on, nor while verifying costs more time than
+the accepted tokens save: the core reports each step's forward time (`observe_step`) and
+core/spec_cost.py compares tokens per second with and without, probing both now and then.
 
 No proposals (the request decodes one token, as without speculation) for: a structured-output
 request with a draft model (above), a request the n-gram does not match (or whose grammar
@@ -56,6 +58,9 @@ from __future__ import annotations
 import numpy as np
 
 from tidal.core.request import Request
+from tidal.core.spec_cost import SpecCost
+from tidal.protocol import envs
+from tidal.protocol.messages import SchedulerOutput
 from tidal.protocol.speculative import SpeculativeConfig
 
 # Stop strings are checked on text by the front-end: with several tokens a step, it ends the
@@ -105,15 +110,44 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * self.k
+        self.cost = SpecCost()
+        # Pause speculation in steps where it costs more time than it saves (read once: the
+        # process's environment, inherited by a core restarted after a crash).
+        self.cost_aware = bool(envs.TIDAL_SPEC_COST_RULE)
+        self._step_accepted = 0  # accepted in the step being applied (for observe_step)
+        self._paused = False  # this step's cost rule said: no proposals (see propose)
 
     def step_enabled(self, num_running: int) -> bool:
-        """Whether any request gets proposals in a step that runs `num_running` requests."""
+        """Whether any request gets proposals in a step that runs `num_running` requests (then
+        the cost rule decides which: see propose)."""
         limit = self.config.disable_by_batch_size
-        return limit is None or num_running < limit
+        if limit is not None and num_running >= limit:
+            return False
+        self._paused = self.cost_aware and not self.cost.speculate(num_running)
+        return True
+
+    def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
+        """The core ran `so` in `seconds` (its results applied: `record` saw its drafts).
+        Only pure decode steps are measured: a prefill chunk's cost would swamp the comparison."""
+        accepted, self._step_accepted = self._step_accepted, 0
+        if so.scheduled_new_reqs:
+            return
+        spec = so.scheduled_spec_decode_tokens
+        num_proposals = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            k = len(spec.get(rid, ())) if spec else 0
+            if n - k != 1:
+                return  # a prefill chunk
+            num_proposals += k
+        self.cost.observe(seconds, len(so.num_scheduled_tokens), num_proposals, accepted)
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Proposals for a decoding request (its last token is the one to compute): at most
         `max_tokens`, none past what the request may still emit (max_tokens, max_model_len)."""
+        if self._paused and request.spec_k is not None:
+            # Speculation does not pay now (core/spec_cost.py). A request's first draft still
+            # runs: acceptance is the request's own (one copying its prompt takes nearly all).
+            return []
         if request.spec_skip > 0:  # sitting out after drafts that were all rejected
             request.spec_skip -= 1
             return []
@@ -140,6 +174,7 @@ class SpecDecoder:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        self._step_accepted += num_accepted
         per_pos = self.num_accepted_tokens_per_pos
         for i in range(num_accepted):
             per_pos[i] += 1

@@ -84,6 +84,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TIDAL_MAX_COMPLETION_PROMPTS": _positive_int("TIDAL_MAX_COMPLETION_PROMPTS", 1024),
     "TIDAL_MAX_STOP_STRINGS": _positive_int("TIDAL_MAX_STOP_STRINGS", 4),
     "TIDAL_MAX_NUM_BAD_WORDS": _positive_int("TIDAL_MAX_NUM_BAD_WORDS", 128),
+    # 0: speculative decoding never pauses for its cost (core/spec_cost.py): every step that may
+    # propose does. For tests that count accepted proposals on a model too small for them to pay.
+    "TIDAL_SPEC_COST_RULE": _flag("TIDAL_SPEC_COST_RULE", True),
     # The C compiler for the CPU kernels (None: cc or gcc on PATH).
     "CC": lambda: os.environ.get("CC") or None,
 }
