@@ -10,8 +10,12 @@ The rule (`speculate`), per bucket:
 - too little measured yet: MIN_STEPS speculative steps, then MIN_STEPS plain ones;
 - gain > ratio * (1 + MARGIN): speculate, but every PLAIN_PROBE steps with no plain step seen
   (a draft model proposes for every request), one plain step keeps the plain time fresh;
-- else: plain, but every SPEC_PROBE steps one speculative step re-measures gain and cost, so a
-  change in acceptance (or in cost) turns it back on.
+- else: plain, but now and then one speculative step re-measures gain and cost, so a change in
+  acceptance (or in cost) turns it back on. The first probe comes SPEC_PROBE steps after the
+  last speculative step; each probe that loses doubles the wait (up to MAX_SPEC_PROBE), as a
+  probe can cost several plain steps (a draft model catching up, a verify step 3-10x a plain
+  one on CPU), and one that would pay on its own brings the next one back to SPEC_PROBE, so
+  a change is seen within MAX_SPEC_PROBE + a few SPEC_PROBE steps.
 Proposals only decide speed, never tokens, so this rule cannot change an output.
 The time is the core's whole step, from scheduling to the applied results: the proposals, a
 draft model's passes, the target's forward, sampling and the update all count.
@@ -28,7 +32,8 @@ WINDOW = 5         # estimates are over each kind's last WINDOW steps in the buc
 MIN_STEPS = 3      # steps of each kind measured before the rule decides
 MARGIN = 0.05      # speculate only when it is clearly ahead: the estimates are noisy
 PLAIN_PROBE = 16   # while speculating: a plain step at least this often (costs <= 1/16 of the gain)
-SPEC_PROBE = 16    # while paused: a speculative step this often (a bounded tax when it loses)
+SPEC_PROBE = 16    # while paused: the first probe this many steps after the last speculative step
+MAX_SPEC_PROBE = 256  # ... and the longest wait between probes that keep losing
 
 
 def bucket(num_rows: int) -> int:
@@ -45,6 +50,11 @@ class _Bucket:
     gain: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))     # 1 + accepted / rows
     since_plain: int = 0  # pure decode steps since the last plain / speculative one
     since_spec: int = 0
+    probe_every: int = SPEC_PROBE  # while paused: steps from one probe to the next
+
+    def step_pays(self, seconds: float, gain: float) -> bool:
+        """Whether one speculative step, on its own, beat the plain steps' median."""
+        return not self.plain_s or gain > seconds / median(self.plain_s) * (1 + MARGIN)
 
     def pays(self) -> bool:
         ratio = median(self.spec_s) / median(self.plain_s)
@@ -69,7 +79,7 @@ class SpecCost:
         elif b.pays():
             on = b.since_plain < PLAIN_PROBE
         else:
-            on = b.since_spec >= SPEC_PROBE
+            on = b.since_spec >= b.probe_every
         self.num_paused_steps += not on
         return on
 
@@ -80,8 +90,10 @@ class SpecCost:
             return
         b = self.buckets.setdefault(bucket(num_rows), _Bucket())
         if num_proposal_rows:
+            gain = 1 + num_accepted / num_rows
+            b.probe_every = SPEC_PROBE if b.step_pays(seconds, gain) else min(2 * b.probe_every, MAX_SPEC_PROBE)
             b.spec_s.append(seconds)
-            b.gain.append(1 + num_accepted / num_rows)
+            b.gain.append(gain)
             b.since_plain += 1
             b.since_spec = 0
         else:

@@ -11,7 +11,7 @@ from engine_utils import assert_all_blocks_free, greedy, make_core, req, run_to_
 from test_spec_decode import CORE_KW, SPEC, assert_same, draft_model, model, repeating_prompts, spec_config  # noqa: F401
 from tidal.core import spec_cost
 from tidal.core.engine_core import EngineCore
-from tidal.core.spec_cost import PLAIN_PROBE, SPEC_PROBE, WINDOW, SpecCost
+from tidal.core.spec_cost import MAX_SPEC_PROBE, PLAIN_PROBE, SPEC_PROBE, WINDOW, SpecCost
 from tidal.core.spec_decode import SpecDecoder
 from tidal.protocol import SamplingParams
 from tidal.protocol.messages import SchedulerOutput
@@ -39,6 +39,9 @@ def test_costly_verification_with_low_acceptance_pauses() -> None:
     share = drive(cost, 340, ratio=3.0, accepted_per_row=0.2)
     assert share <= 1 / SPEC_PROBE + 0.02
     assert share > 0  # it keeps probing
+    # Probes that keep losing come ever more rarely, down to one each MAX_SPEC_PROBE steps.
+    share = drive(cost, 8 * MAX_SPEC_PROBE, ratio=3.0, accepted_per_row=0.2)
+    assert 0 < share <= 1.5 / MAX_SPEC_PROBE
 
 
 def test_cheap_verification_with_high_acceptance_speculates() -> None:
@@ -58,7 +61,8 @@ def test_after_a_pause_it_probes_and_resumes_when_costs_change() -> None:
     cost = SpecCost()
     assert drive(cost, 200, ratio=3.0, accepted_per_row=0.2) < 0.1
     # Verification got cheap and acceptance high: the next probes see it and it turns back on.
-    drive(cost, (WINDOW // 2 + 2) * SPEC_PROBE, ratio=1.2, accepted_per_row=3.6)
+    # The first one within MAX_SPEC_PROBE steps; it pays, so the next come each SPEC_PROBE.
+    drive(cost, MAX_SPEC_PROBE + (WINDOW // 2 + 2) * SPEC_PROBE, ratio=1.2, accepted_per_row=3.6)
     assert drive(cost, 100, ratio=1.2, accepted_per_row=3.6) > 0.9
     # And back off when it stops paying (speculative steps keep measuring while on).
     drive(cost, 30, ratio=3.0, accepted_per_row=0.2)
