@@ -23,7 +23,7 @@ from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.request_rules import check_priority
 
 if TYPE_CHECKING:
-    from tidal.frontend.metrics import EngineMetrics
+    from tidal.frontend.metrics_manager import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class FrontEnd(Generic[C]):
                                                 stream_interval=config.stream_interval)
         self.metrics: EngineMetrics | None = None
         if not config.disable_log_stats:
-            from tidal.frontend.metrics import EngineMetrics  # prometheus_client only with stats on
+            from tidal.frontend.metrics_manager import EngineMetrics  # prometheus_client only with stats on
 
             engines = list(range(config.data_parallel_size))
             self.metrics = EngineMetrics(

@@ -31,7 +31,7 @@ from tidal.protocol.outputs import RequestOutput
 from tidal.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from tidal.frontend.metrics import EngineMetrics
+    from tidal.frontend.metrics_manager import EngineMetrics
 
 __all__ = ["LLM", "LLMEngine"]
 
