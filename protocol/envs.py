@@ -60,6 +60,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # float32 linear layers on CPU: auto (tidal's panel GEMM where vectorized, else oneDNN) |
     # onednn (oneDNN packed weights) | torch (F.linear). worker/layers/gemm.py.
     "TIDAL_CPU_GEMM": lambda: os.environ.get("TIDAL_CPU_GEMM", "auto"),
+    # 0: the CPU GEMM/GEMV kernels split their work over OpenMP regions instead of tidal's team,
+    # whose caller never waits for a thread that has not started (worker/csrc/thread_pool.h).
+    "TIDAL_CPU_THREAD_POOL": _flag("TIDAL_CPU_THREAD_POOL", True),
     # 0: fp16/bf16 models on CPU compute in torch's half ops instead of half weights + float32 compute.
     "TIDAL_CPU_HALF_WEIGHTS": _flag("TIDAL_CPU_HALF_WEIGHTS", True),
     # 1: the front-end loads transformers' tokenizer even where tokenizers' own would do (frontend/tokenizer.py).

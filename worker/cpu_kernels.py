@@ -127,6 +127,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # x, out, rows, d
     "tidal_silu_and_mul_f32": (None, [_p, _p, _i64, _i64]),
     "tidal_set_num_threads": (None, [ctypes.c_int]),
+    "tidal_set_thread_pool": (None, [ctypes.c_int]),
 }
 
 
@@ -150,6 +151,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     lib.tidal_set_num_threads(torch.get_num_threads())
+    lib.tidal_set_thread_pool(int(envs.TIDAL_CPU_THREAD_POOL))  # csrc/thread_pool.h
     return lib
 
 

@@ -27,6 +27,7 @@
 #include <omp.h>
 
 #include "vec_math.h"
+#include "thread_pool.h"
 #include "work_share.h"
 
 #define NR 16
@@ -261,12 +262,23 @@ static void gemm_task(const float *x, int64_t xs, const void *w, const float *bi
 /* Tasks are (x row block, panel group) pairs, row block major, shared as work_share.h says: a
  * thread runs its own tasks in order (so "the next panel" it prefetches is the one it runs
  * next), then helps with the others'. */
+static void gemm_call_task(const void *ctx, int64_t task) {
+    const LinearCall *c = ctx;
+    gemm_task(c->x, c->xs, c->w, c->bias, c->out, c->os, c->m, c->n, c->k, c->kind, task / c->groups, c->mblocks,
+              task % c->groups);
+}
+
 static void gemm(const float *x, int64_t xs, const void *w, const float *bias, float *out, int64_t os, int64_t m,
                  int64_t n, int64_t k, int kind) {
     const int64_t groups = ((n + NR - 1) / NR + PANEL_GROUP - 1) / PANEL_GROUP;
     const int64_t mblocks = (m + rows_per_block(k) - 1) / rows_per_block(k);
     /* Bound by reading the weight for few rows: worth a second thread from ~64 KiB of it on. */
     const int64_t threads = (n + NR - 1) / NR * k >= 2048 ? omp_get_max_threads() : 1;
+    if (tidal_thread_pool_enabled()) {
+        const LinearCall call = {x, xs, w, bias, out, os, m, n, k, kind, groups, mblocks};
+        tidal_parallel_tasks(gemm_call_task, &call, mblocks * groups, threads);
+        return;
+    }
     OwnedSpan spans[threads];
     work_share_init(spans, threads, mblocks * groups); /* < 2^32: m n / 384 tasks at most */
 #pragma omp parallel if (threads > 1)

@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include "vec_math.h"
+#include "thread_pool.h"
 #include "work_share.h"
 
 #define NR 16
@@ -177,11 +178,21 @@ static void gemv_task(int kind, int64_t mr, const float *x, int64_t xs, const vo
 #undef TILE
 }
 
+static void gemv_call_task(const void *ctx, int64_t task) {
+    const LinearCall *c = ctx;
+    gemv_task(c->kind, c->m, c->x, c->xs, c->w, c->bias, c->out, c->os, c->n, c->k, task);
+}
+
 static void gemv(const float *x, int64_t xs, const void *w, const float *bias, float *out, int64_t os, int64_t m,
                  int64_t n, int64_t k, int kind) {
     const int64_t panels = (n + NR - 1) / NR, tasks = (panels + tile_panels(m) - 1) / tile_panels(m);
     /* A second thread pays from ~64 KiB of weight on (as gemm_panels.c). */
     const int64_t threads = panels * k >= 2048 ? omp_get_max_threads() : 1;
+    if (tidal_thread_pool_enabled()) {
+        const LinearCall call = {x, xs, w, bias, out, os, m, n, k, kind, 0, 0};
+        tidal_parallel_tasks(gemv_call_task, &call, tasks, threads);
+        return;
+    }
     OwnedSpan spans[threads];
     work_share_init(spans, threads, tasks);
 #pragma omp parallel if (threads > 1)
