@@ -32,6 +32,18 @@ class PrefillSpan:
     mask: torch.Tensor | None = None
 
 
+# Longest query a sequence may have and still be attended one query row at a time by a paged
+# decode kernel (`AttentionMetadata.short_seqs`, opt-in per backend: the CPU one), rather than as
+# a prefill chunk: row j of a sequence with q query rows and seq_len is a decode with context
+# seq_len - q + 1 + j, since a step writes all its K/V before attention reads. Speculative
+# verification (1 + k rows) is the case it exists for. The kernel's cost grows with q x context
+# (each row reads its whole context), the prefill path's gather and SDPA call far more slowly in
+# q: measured on one thread (scripts/bench_verify_rows.py, contexts 64..4096, batch 1..32) the
+# kernel is 2-10x faster at q = 2, 1.3-2.8x at q = 5, about even to 1.9x at q = 9 (0.83x at the
+# worst, context 2048), and loses from q = 11-17 on (later the shorter the context). 9 covers a
+# verification of up to 8 proposals.
+PAGED_ROWS_MAX_QUERY_LEN = 9
+
 # Bound on (decodes in a group) x (longest context in it): the padded K/V gathered for one SDPA
 # call. 32K tokens is ~128 MiB per tensor at 8 kv heads x 128 dims in float32.
 DECODE_GATHER_MAX_TOKENS = 32768
@@ -177,24 +189,26 @@ class AttentionMetadata:
         """The full-attention layers' prefill_spans."""
         return self.prefill_spans(None)
 
-    def prefill_spans(self, window: int | None) -> list[PrefillSpan]:
+    def prefill_spans(self, window: int | None, paged_rows: bool = False) -> list[PrefillSpan]:
         """The sequences with query_len > 1, with what a per-sequence SDPA needs (cache slots
         and mask when earlier context is cached, or when a sliding window cuts into the chunk)
-        for layers of this window. Built on first use: kernels that read the paged cache
+        for layers of this window. paged_rows: leave out `short_seqs` (a backend attending them
+        row by row through `paged_rows`). Built on first use: kernels that read the paged cache
         directly never need it."""
-        key = ("prefills", window)
+        key = ("prefills", window, paged_rows and bool(self.short_seqs))
         if key not in self._window_views:
-            self._window_views[key] = self._build_prefill_spans(window)
+            self._window_views[key] = self._build_prefill_spans(window, key[2])
         return self._window_views[key]
 
-    def _build_prefill_spans(self, window: int | None) -> list[PrefillSpan]:
+    def _build_prefill_spans(self, window: int | None, skip_short: bool = False) -> list[PrefillSpan]:
         device = self.block_tables.device
         bs = self.block_size
         spans: list[PrefillSpan] = []
+        skip = set(self.short_seqs) if skip_short else ()
         for i in range(self.num_seqs):
             start, end, seq_len = self.query_start_loc[i], self.query_start_loc[i + 1], self.seq_lens[i]
             q_len = end - start
-            if q_len <= 1:
+            if q_len <= 1 or i in skip:
                 continue
             span = PrefillSpan(start, end, seq_len)
             context = seq_len - q_len
@@ -265,7 +279,33 @@ class AttentionMetadata:
 
     @functools.cached_property
     def paged_decode(self) -> "PagedDecodeBatch":  # noqa: F821 - the C-kernel backend's view
+        """The decodes (query_len == 1), one kernel row each."""
         from tidal.worker.attention_cpu import PagedDecodeBatch
 
         return PagedDecodeBatch.build(self)
+
+    @functools.cached_property
+    def short_seqs(self) -> list[int]:
+        """Batch indices of the sequences with 2..PAGED_ROWS_MAX_QUERY_LEN query rows and
+        earlier context in the cache (a speculative verification, a short chunk): what a paged
+        decode kernel may attend row by row (`paged_rows`) instead of as prefill chunks. A chunk
+        that is its whole context is left to the prefill path: that attends its new K/V as
+        computed, the kernel would read them back from the cache (rounded, in a half cache)."""
+        if self.max_query_len < 2:
+            return []
+        qsl, lens = self.query_start_loc, self.seq_lens
+        return [i for i in range(self.num_seqs)
+                if 1 < qsl[i + 1] - qsl[i] <= PAGED_ROWS_MAX_QUERY_LEN and lens[i] > qsl[i + 1] - qsl[i]]
+
+    @functools.cached_property
+    def paged_rows(self) -> "PagedDecodeBatch":  # noqa: F821 - the C-kernel backend's view
+        """paged_decode plus one kernel row per query row of each of `short_seqs`: row j of a
+        sequence with q rows is a decode with context seq_len - q + 1 + j over the same block
+        table row (the step writes every new token's K/V before attention reads, so the
+        context is in the cache; a window counts back from the row's own position)."""
+        if not self.short_seqs:
+            return self.paged_decode
+        from tidal.worker.attention_cpu import PagedDecodeBatch
+
+        return PagedDecodeBatch.build(self, self.short_seqs)
 
