@@ -9,6 +9,7 @@ omp_get_max_threads() as their thread count, so both follow torch.set_num_thread
 #include <linux/futex.h>
 #include <omp.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -59,7 +60,12 @@ static uint32_t wait_for_job(uint32_t seen) {
     for (int i = 1;; ++i) {
         const uint32_t g = atomic_load(&team.gen);
         if (g != seen) return g;
-        if ((i & 63) == 0 && now_ns() > deadline) break;
+        if ((i & 63) == 0) {
+            if (now_ns() > deadline) break;
+            /* A thread waiting to run here (the caller, OpenMP's threads for torch's ops, the
+             * front-end) goes first: this spin only bridges gaps, it must not lengthen them. */
+            sched_yield();
+        }
         cpu_relax();
     }
     for (;;) {
