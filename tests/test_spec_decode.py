@@ -213,6 +213,24 @@ def _null_token(rid: str, index: int, vocab: int = 512) -> int:
     return 3 + (index * 7919 + len(rid)) % (vocab - 3)
 
 
+def test_single_stream_verify_steps_replay_the_cpu_graph(core_off: EngineCore, core_on: EngineCore) -> None:
+    """One request at a time: each verify step (1 + k rows) replays the CPU graph captured for
+    1 + k rows, every row a decode of its own, and the tokens stay those of speculation off."""
+    graphs = core_on.executor.worker.model_runner.cpu_graphs
+    assert graphs is not None and 1 + SPEC.num_speculative_tokens in graphs.graphs
+    total_accepted = 0
+    for i, prompt in enumerate(repeating_prompts(4, 3)):
+        request = [req(f"single{i}", prompt, greedy(40) if i % 2 else
+                       SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True))]
+        replays = graphs.replays
+        off, on, n_accepted = run_both(core_off, core_on, request)
+        assert_same(off, on)
+        total_accepted += n_accepted
+        # every step after the prefill replays: plain decodes and verify steps alike
+        assert graphs.replays - replays == len(on[f"single{i}"].outputs) - 1
+    assert total_accepted > 0
+
+
 def test_eos_inside_an_accepted_run_ends_the_request_there(model: str) -> None:
     """The null runner's tokens are known in advance, so a prompt can hold the ones to come:
     the n-gram then proposes them, all are accepted, and an EOS among them ends the request
@@ -283,6 +301,9 @@ def test_draft_equal_to_the_target_has_every_proposal_accepted(model: str, core_
     request does not ignore, taken from the reference output, lands inside an accepted run and
     ends the request there."""
     prompts = repeating_prompts(7, 4)
+    # One prompt past the step budget (max_num_batched_tokens 64): the draft reads it in chunks
+    # that fit the runner's buffers (draft_model.py's _catch_up), and must still agree.
+    prompts.append((prompts[1] * 12)[:150])
     plain = [req(f"self{i}", p, SamplingParams(temperature=0.8 * (i % 2), seed=40 + i, max_tokens=40,
                                                ignore_eos=True)) for i, p in enumerate(prompts)]
     off = run_to_completion(core_off, plain)
@@ -297,6 +318,8 @@ def test_draft_equal_to_the_target_has_every_proposal_accepted(model: str, core_
         on = run_to_completion(core, plain + with_eos)
         assert_all_blocks_free(core)
         stats = core.scheduler.make_stats()
+        graphs = core.executor.worker.model_runner.cpu_graphs
+        assert graphs is not None and graphs.graphs  # the draft's catch-up did not reallocate the buffers
     finally:
         core.shutdown()
     for rid, r in off.results.items():

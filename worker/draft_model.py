@@ -68,7 +68,7 @@ class DraftProposer:
         drafts: list[list[int]] = [[] for _ in states]
         # Pass 1: every token the draft has not computed, up to the last one (t).
         starts = [min(self._computed.get(st.req_id, 0), st.num_computed_tokens) for st in states]
-        spans = [(start, st.token_ids[start:]) for start, st in zip(starts, states)]
+        spans = self._catch_up(runner, states, [(start, st.token_ids[start:]) for start, st in zip(starts, states)])
         self._extend(runner, states, drafts, spans)
         for j in range(1, max(ks)):  # passes 2..k: one row each, the previous proposal as input
             live = [i for i, k in enumerate(ks) if j < k]
@@ -78,10 +78,33 @@ class DraftProposer:
             spec[st.req_id] = d
             self._computed[st.req_id] = len(st.token_ids) + k - 1  # t, d_0..d_{k-2}
 
-    def _extend(self, runner: ModelRunner, states: list[CachedRequestState], drafts: list[list[int]],
-                spans: list[tuple[int, list[int]]]) -> None:
-        """One draft forward: request i computes `spans[i]` (first position, its tokens), and
-        the next proposal is sampled from its last row and appended to drafts[i]."""
+    def _catch_up(self, runner: ModelRunner, states: list[CachedRequestState],
+                  spans: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+        """Forward passes (no sampling) over the spans' leading tokens until what is left fits
+        one step of the runner's buffers (a new request's draft has its whole prompt to read):
+        a larger step would reallocate them, and with them drop the CPU graphs for good. Every
+        span keeps at least its last token for the pass that samples. The spans left."""
+        budget = runner.input_batch.max_num_tokens
+        while sum(len(tokens) for _, tokens in spans) > budget:
+            room, chunk_states, chunk_spans, left = budget, [], [], []
+            for st, (start, tokens) in zip(states, spans):
+                take = min(len(tokens) - 1, room)
+                if take > 0:
+                    chunk_states.append(st)
+                    chunk_spans.append((start, tokens[:take]))
+                    room -= take
+                    start, tokens = start + take, tokens[take:]
+                left.append((start, tokens))
+            if not chunk_spans:  # more requests than the budget has rows: the buffers grow
+                break
+            self._forward(runner, chunk_states, chunk_spans)
+            spans = left
+        return spans
+
+    def _forward(self, runner: ModelRunner, states: list[CachedRequestState],
+                 spans: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+        """The draft's forward over `spans[i]` (first position, its tokens) of request i: its
+        KV written, (hidden states, query_start_loc) returned."""
         ib = runner.input_batch
         tokens = [t for _, span in spans for t in span]
         counts = [len(span) for _, span in spans]
@@ -93,7 +116,13 @@ class DraftProposer:
             query_start_loc_device=step.query_start_loc, seq_lens_device=step.seq_lens)
         metadata.block_tables_checked = True
         with set_forward_context(metadata):
-            hidden = self.model(step.input_ids, step.positions)
+            return self.model(step.input_ids, step.positions), qsl
+
+    def _extend(self, runner: ModelRunner, states: list[CachedRequestState], drafts: list[list[int]],
+                spans: list[tuple[int, list[int]]]) -> None:
+        """One draft forward: request i computes `spans[i]` (first position, its tokens), and
+        the next proposal is sampled from its last row and appended to drafts[i]."""
+        hidden, qsl = self._forward(runner, states, spans)
         last = torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, last)).float()
         for d, token in zip(drafts, self._sample(runner, states, drafts, logits)):

@@ -21,6 +21,7 @@ model's proposals are made here, before the step's forward pass (worker/draft_mo
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from tidal.protocol.sampling_params import SamplingParams
 from tidal.utils.logging_utils import summarize_exception
 from tidal.worker.attention import Attention
 from tidal.worker.attention_metadata import AttentionMetadata
+from tidal.worker.cpu_graphs import DEFAULT_SIZES as DEFAULT_CPU_GRAPH_SIZES
 from tidal.worker.cpu_graphs import CpuGraphRunner, capture_cpu_graphs
 from tidal.worker.cuda_graphs import CudaGraphRunner, backend_is_graph_safe, capture_sizes
 from tidal.worker.draft_model import DraftProposer
@@ -177,14 +179,19 @@ class ModelRunner(StepSampling):
             return
         self.cuda_graphs = runner
 
-    def capture_cpu_graphs(self) -> None:
+    def capture_cpu_graphs(self, num_speculative_tokens: int = 0) -> None:
         """Record small decode batches' kernel calls (worker/cpu_graphs.py) after the KV cache
-        is bound and the GEMMs are warmed up; a no-op (logged) when the forward cannot be."""
+        is bound and the GEMMs are warmed up; a no-op (logged) when the forward cannot be.
+        With speculation, a single stream's verify step (1 + k rows) gets a size too."""
         if self.device.type != "cpu":
             return
         if self.input_batch.num_blocks is None:
             raise RuntimeError("capture_cpu_graphs needs the KV cache: call bind_kv_cache first")
-        self.cpu_graphs = capture_cpu_graphs(self.model, self.input_batch, self.max_num_seqs, self.max_model_len)
+        sizes = set(DEFAULT_CPU_GRAPH_SIZES)
+        if num_speculative_tokens:
+            sizes.add(1 + num_speculative_tokens)
+        self.cpu_graphs = capture_cpu_graphs(self.model, self.input_batch, max(self.max_num_seqs, max(sizes)),
+                                             self.max_model_len, tuple(sorted(sizes)))
 
     @property
     def graphs(self) -> CudaGraphRunner | CpuGraphRunner | None:
@@ -260,12 +267,22 @@ class ModelRunner(StepSampling):
         num_seqs = len(req_ids)
         graph_size = None
         graphs = self.graphs
+        ib = self.input_batch
         if num_tokens == num_seqs and graphs is not None:
             graph_size = graphs.padded_size(num_seqs)
-        ib = self.input_batch
-        step = ib.prepare(rows, starts, num_scheduled, tokens, pad_to=graph_size,
-                          decode_slots=decode_slots if num_tokens == num_seqs else None)
-        qsl = step.query_start_loc_list
+        elif spec and self.cpu_graphs is not None and not prompt_lp_reqs and self.cuda_graphs is None:
+            graph_size = self._verify_graph_size(req_ids, num_scheduled, spec)
+        if graph_size is not None and num_tokens != num_seqs:
+            # Decodes and verifications only: each token is a decode of its own (its position,
+            # its request's block table), which is exactly its causal attention, as the KV of
+            # every row is written before any row reads. The sampling below keeps the real layout.
+            step = ib.prepare(*self._rows_as_decodes(req_ids, starts, num_scheduled), tokens, pad_to=graph_size,
+                              decode_slots=None)
+            qsl = list(itertools.accumulate(num_scheduled, initial=0))
+        else:
+            step = ib.prepare(rows, starts, num_scheduled, tokens, pad_to=graph_size,
+                              decode_slots=decode_slots if num_tokens == num_seqs else None)
+            qsl = step.query_start_loc_list
         prompt_lp: list[tuple[str, int, int, int]] = []
         for i in prompt_lp_reqs:
             st = reqs[req_ids[i]]
@@ -298,6 +315,27 @@ class ModelRunner(StepSampling):
             req_ids, step.input_ids, step.positions, metadata, sample_rows, logits_index, prompt_lp,
             {rid: i for i, rid in enumerate(so.structured_output_request_ids)}, so.grammar_bitmask,
             graph_size, num_tokens, spec)
+
+    def _verify_graph_size(self, req_ids: list[str], num_scheduled: list[int],
+                           spec: dict[int, list[int]]) -> int | None:
+        """A CPU graph size for a step of decodes and verifications only (each request's rows:
+        its last token, then its proposals), else None."""
+        if any(n != 1 + len(spec.get(i, ())) for i, n in enumerate(num_scheduled)):
+            return None
+        graphs = self.cpu_graphs
+        assert graphs is not None
+        return graphs.padded_size(sum(num_scheduled))
+
+    def _rows_as_decodes(self, req_ids: list[str], starts: list[int],
+                         num_scheduled: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """(rows, starts, num_scheduled) of InputBatch.prepare with every token a decode."""
+        rows: list[int] = []
+        positions: list[int] = []
+        for rid, start, n in zip(req_ids, starts, num_scheduled):
+            row = self.requests[rid].row
+            rows.extend([row] * n)
+            positions.extend(range(start, start + n))
+        return rows, positions, [1] * len(rows)
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()

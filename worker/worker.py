@@ -103,7 +103,8 @@ class Worker:
                 warm_up_gemm_buckets(self.drafter.model, cfg.max_num_seqs)
             timer.mark("warm-up")
             if not cfg.enforce_eager:
-                self.model_runner.capture_cpu_graphs()
+                spec = self.config.speculative_config
+                self.model_runner.capture_cpu_graphs(0 if spec is None else spec.num_speculative_tokens)
                 timer.mark("CPU graphs")
         timer.log(self.rank)
         return ResolvedEngineInfo(self.max_model_len, num_blocks, cfg.block_size, hf_config.vocab_size,
