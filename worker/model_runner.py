@@ -188,10 +188,10 @@ class ModelRunner(StepSampling):
         if self.input_batch.num_blocks is None:
             raise RuntimeError("capture_cpu_graphs needs the KV cache: call bind_kv_cache first")
         sizes = set(DEFAULT_CPU_GRAPH_SIZES)
-        if num_speculative_tokens:
+        if num_speculative_tokens:  # (capture_cpu_graphs keeps the sizes the buffers hold)
             sizes.add(1 + num_speculative_tokens)
-        self.cpu_graphs = capture_cpu_graphs(self.model, self.input_batch, max(self.max_num_seqs, max(sizes)),
-                                             self.max_model_len, tuple(sorted(sizes)))
+        self.cpu_graphs = capture_cpu_graphs(self.model, self.input_batch, self.max_num_seqs, self.max_model_len,
+                                             tuple(sorted(sizes)))
 
     @property
     def graphs(self) -> CudaGraphRunner | CpuGraphRunner | None:
