@@ -19,7 +19,7 @@ from engine_utils import step_outputs
 from tidal.core.engine_core import EngineCore
 from tidal.protocol import EngineConfig, SamplingParams
 from tidal.protocol.messages import EngineCoreRequest
-from tidal.worker.cpu_graphs import capture_cpu_graphs
+from tidal.worker.cpu_graphs import CaptureRefused, CpuGraphRunner, capture_cpu_graphs
 from tidal.worker.cpu_kernels import cpu_kernels, ptr
 from tidal.worker.input_batch import InputBatch
 
@@ -171,3 +171,13 @@ def test_a_recordable_model_replays_its_inputs() -> None:
         h = model.model.embed_tokens(torch.tensor([5, 17]))
         ref = torch.nn.functional.silu(h[:, :4]) * h[:, 4:]
     torch.testing.assert_close(out, ref)
+
+
+def test_a_size_past_the_step_buffers_is_refused() -> None:
+    """Capturing a size the buffers do not hold would reallocate them under the sizes already
+    captured (whose replays would then read and write freed memory): refused, not captured."""
+    ib = InputBatch(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=4,
+                    device=torch.device("cpu"))
+    ib.num_blocks = 8
+    with torch.inference_mode(), pytest.raises(CaptureRefused, match="reallocated"):
+        CpuGraphRunner(_Plain(), ib, [1, 2, 4], max_model_len=64).capture()

@@ -202,8 +202,11 @@ class CpuGraphRunner:
     def capture(self) -> None:
         ib = self.input_batch
         t0 = time.perf_counter()
+        generation = ib.generation
         for n in self.sizes:
             ib.fill_dummy_decode(n)
+            if ib.generation != generation:  # the sizes captured so far read the old buffers
+                raise CaptureRefused(f"batch size {n} does not fit the step buffers (they were reallocated)")
             self.seq_lens[:n] = 1
             self.table[:n] = 0
             plan: list[Any] = []
