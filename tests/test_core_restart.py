@@ -436,7 +436,10 @@ def test_server_stream_resumes_and_counts_the_restart(tiny_model_dir: str, tidal
         chunks = []
         for i, chunk in enumerate(client.completions.create(**body)):
             chunks.append(chunk)
-            if i == 8:
+            # At the first chunk: a front end behind the core merges the tokens waiting for it
+            # into fewer chunks (under load, 64 tokens came in fewer than 9), so a later index
+            # may never come.
+            if i == 0:
                 for p in srv.children():
                     if "tidal.core.core_proc" in " ".join(p.cmdline()):
                         p.kill()
