@@ -44,7 +44,7 @@ proposal count adapts to what it had accepted -- one more than its last draft's 
 up to k -- and a request whose last MISS_LIMIT drafts had nothing accepted sits out a number
 of steps (doubling, up to MAX_BACKOFF) before it tries again. A whole step speculates not at
 all from disable_by_batch_size running requests on, nor while verifying costs more time than
-the accepted tokens save: the core reports each step's forward time (`observe_step`) and
+the accepted tokens save: the core reports each step's whole time (`observe_step`) and
 core/spec_cost.py compares tokens per second with and without, probing both now and then.
 
 No proposals (the request decodes one token, as without speculation) for: a structured-output
