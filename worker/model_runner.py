@@ -270,14 +270,16 @@ class ModelRunner(StepSampling):
         ib = self.input_batch
         if num_tokens == num_seqs and graphs is not None:
             graph_size = graphs.padded_size(num_seqs)
-        elif spec and self.cpu_graphs is not None and not prompt_lp_reqs and self.cuda_graphs is None:
-            graph_size = self._verify_graph_size(req_ids, num_scheduled, spec)
+        elif (spec and self.cpu_graphs is not None and self.cuda_graphs is None and not prompt_lp_reqs
+              and all(n == 1 + len(spec.get(i, ())) for i, n in enumerate(num_scheduled))):
+            graph_size = self.cpu_graphs.padded_size(num_tokens)  # decodes and verifications only
         if graph_size is not None and num_tokens != num_seqs:
-            # Decodes and verifications only: each token is a decode of its own (its position,
-            # its request's block table), which is exactly its causal attention, as the KV of
-            # every row is written before any row reads. The sampling below keeps the real layout.
-            step = ib.prepare(*self._rows_as_decodes(req_ids, starts, num_scheduled), tokens, pad_to=graph_size,
-                              decode_slots=None)
+            # Each token a decode of its own (its position, its request's block table), which is
+            # exactly its causal attention, as the KV of every row is written before any row
+            # reads. The sampling below keeps the real layout.
+            decode_rows = [row for row, n in zip(rows, num_scheduled) for _ in range(n)]
+            positions = [p for start, n in zip(starts, num_scheduled) for p in range(start, start + n)]
+            step = ib.prepare(decode_rows, positions, [1] * num_tokens, tokens, pad_to=graph_size)
             qsl = list(itertools.accumulate(num_scheduled, initial=0))
         else:
             step = ib.prepare(rows, starts, num_scheduled, tokens, pad_to=graph_size,
@@ -315,27 +317,6 @@ class ModelRunner(StepSampling):
             req_ids, step.input_ids, step.positions, metadata, sample_rows, logits_index, prompt_lp,
             {rid: i for i, rid in enumerate(so.structured_output_request_ids)}, so.grammar_bitmask,
             graph_size, num_tokens, spec)
-
-    def _verify_graph_size(self, req_ids: list[str], num_scheduled: list[int],
-                           spec: dict[int, list[int]]) -> int | None:
-        """A CPU graph size for a step of decodes and verifications only (each request's rows:
-        its last token, then its proposals), else None."""
-        if any(n != 1 + len(spec.get(i, ())) for i, n in enumerate(num_scheduled)):
-            return None
-        graphs = self.cpu_graphs
-        assert graphs is not None
-        return graphs.padded_size(sum(num_scheduled))
-
-    def _rows_as_decodes(self, req_ids: list[str], starts: list[int],
-                         num_scheduled: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """(rows, starts, num_scheduled) of InputBatch.prepare with every token a decode."""
-        rows: list[int] = []
-        positions: list[int] = []
-        for rid, start, n in zip(req_ids, starts, num_scheduled):
-            row = self.requests[rid].row
-            rows.extend([row] * n)
-            positions.extend(range(start, start + n))
-        return rows, positions, [1] * len(rows)
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()

@@ -28,7 +28,6 @@
 
 #include "vec_math.h"
 #include "thread_pool.h"
-#include "work_share.h"
 
 #define NR 16
 #define MR 6
@@ -274,16 +273,8 @@ static void gemm(const float *x, int64_t xs, const void *w, const float *bias, f
     const int64_t mblocks = (m + rows_per_block(k) - 1) / rows_per_block(k);
     /* Bound by reading the weight for few rows: worth a second thread from ~64 KiB of it on. */
     const int64_t threads = (n + NR - 1) / NR * k >= 2048 ? omp_get_max_threads() : 1;
-    if (tidal_thread_pool_enabled()) {
-        const LinearCall call = {x, xs, w, bias, out, os, m, n, k, kind, groups, mblocks};
-        tidal_parallel_tasks(gemm_call_task, &call, mblocks * groups, threads);
-        return;
-    }
-    OwnedSpan spans[threads];
-    work_share_init(spans, threads, mblocks * groups); /* < 2^32: m n / 384 tasks at most */
-#pragma omp parallel if (threads > 1)
-    for (int64_t task; (task = work_share_next(spans, threads, omp_get_thread_num())) >= 0;)
-        gemm_task(x, xs, w, bias, out, os, m, n, k, kind, task / groups, mblocks, task % groups);
+    const LinearCall call = {x, xs, w, bias, out, os, m, n, k, kind, groups, mblocks};
+    tidal_run_tasks(gemm_call_task, &call, mblocks * groups, threads); /* < 2^32: m n / 384 tasks at most */
 }
 
 #else /* portable C: the same layout and results up to float summation order */

@@ -26,7 +26,6 @@
 
 #include "vec_math.h"
 #include "thread_pool.h"
-#include "work_share.h"
 
 #define NR 16
 #define GEMV_MAX_ROWS 4
@@ -188,16 +187,8 @@ static void gemv(const float *x, int64_t xs, const void *w, const float *bias, f
     const int64_t panels = (n + NR - 1) / NR, tasks = (panels + tile_panels(m) - 1) / tile_panels(m);
     /* A second thread pays from ~64 KiB of weight on (as gemm_panels.c). */
     const int64_t threads = panels * k >= 2048 ? omp_get_max_threads() : 1;
-    if (tidal_thread_pool_enabled()) {
-        const LinearCall call = {x, xs, w, bias, out, os, m, n, k, kind, 0, 0};
-        tidal_parallel_tasks(gemv_call_task, &call, tasks, threads);
-        return;
-    }
-    OwnedSpan spans[threads];
-    work_share_init(spans, threads, tasks);
-#pragma omp parallel if (threads > 1)
-    for (int64_t task; (task = work_share_next(spans, threads, omp_get_thread_num())) >= 0;)
-        gemv_task(kind, m, x, xs, w, bias, out, os, n, k, task);
+    const LinearCall call = {x, xs, w, bias, out, os, m, n, k, kind, 0, 0};
+    tidal_run_tasks(gemv_call_task, &call, tasks, threads);
 }
 
 #else /* portable C: the same layout and results up to float summation order */

@@ -112,7 +112,7 @@ static void grow_team(int size) {
     pthread_mutex_unlock(&team.grow);
 }
 
-void tidal_parallel_tasks(tidal_task_fn fn, const void *ctx, int64_t tasks, int64_t threads) {
+static void team_run_tasks(tidal_task_fn fn, const void *ctx, int64_t tasks, int64_t threads) {
     if (threads > MAX_TEAM) threads = MAX_TEAM;
     if (threads < 1) threads = 1;
     OwnedSpan spans[threads];
@@ -133,11 +133,20 @@ void tidal_parallel_tasks(tidal_task_fn fn, const void *ctx, int64_t tasks, int6
     atomic_store(&team.busy, 0);
 }
 
+void tidal_run_tasks(tidal_task_fn fn, const void *ctx, int64_t tasks, int64_t threads) {
+    if (atomic_load(&team.enabled)) {
+        team_run_tasks(fn, ctx, tasks, threads);
+        return;
+    }
+    OwnedSpan spans[threads];
+    work_share_init(spans, threads, tasks);
+#pragma omp parallel if (threads > 1)
+    for (int64_t task; (task = work_share_next(spans, threads, omp_get_thread_num())) >= 0;) fn(ctx, task);
+}
+
 void tidal_set_num_threads(int num_threads) {
     if (num_threads <= 0) return;
     omp_set_num_threads(num_threads);
 }
 
 void tidal_set_thread_pool(int enabled) { atomic_store(&team.enabled, enabled != 0); }
-
-int tidal_thread_pool_enabled(void) { return atomic_load(&team.enabled); }

@@ -29,10 +29,10 @@
 
 typedef void (*tidal_task_fn)(const void *ctx, int64_t task);
 
-/* Run tasks [0, tasks) of fn over `threads` spans (threads <= 1: all here, in order). */
-void tidal_parallel_tasks(tidal_task_fn fn, const void *ctx, int64_t tasks, int64_t threads);
-/* 0 after tidal_set_thread_pool(0) (TIDAL_CPU_THREAD_POOL=0): the kernels use OpenMP regions. */
-int tidal_thread_pool_enabled(void);
+/* Run tasks [0, tasks) of fn over `threads` spans (threads <= 1: all here, in order): on the
+ * team, or in an OpenMP region over the same spans after tidal_set_thread_pool(0)
+ * (TIDAL_CPU_THREAD_POOL=0). Each task's work is the same either way, so are the results. */
+void tidal_run_tasks(tidal_task_fn fn, const void *ctx, int64_t tasks, int64_t threads);
 
 /* One linear-layer kernel call (gemm_panels.c, gemv.c) as its tasks read it. */
 typedef struct {
